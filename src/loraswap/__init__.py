@@ -1,0 +1,1 @@
+"""loraswap: one warm diffusion pipeline, many LoRA adapters swapped in place."""
