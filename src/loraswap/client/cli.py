@@ -1,0 +1,257 @@
+"""The user commands of the ``loraswap`` CLI: generate, preload, evict, adapters, info.
+
+Results go to stdout as JSON, progress and errors to stderr, so that output
+can be piped into ``jq`` while a person still watches the progress bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from loraswap.client.aio import DEFAULT_TARGET, ImageFormat, missing_image_error
+from loraswap.client.errors import LoraswapError
+from loraswap.client.events import GeneratedImage, Progress, Queued
+from loraswap.client.sync import LoraswapClient
+
+__all__ = ["ProgressBar", "register"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+_FORMAT_BY_SUFFIX: dict[str, ImageFormat] = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+CommandFunc = Callable[[argparse.Namespace], int]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds the client subcommands to ``subparsers``; each sets ``func(args) -> exit code``."""
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument(
+        "--server",
+        default=DEFAULT_TARGET,
+        metavar="HOST:PORT",
+        help=f"address of the loraswap server (default: {DEFAULT_TARGET})",
+    )
+    connection.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="deadline for the call; 0 for none (default: 300)",
+    )
+    connection.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait, up to the deadline, for a server that is not up yet instead of failing at once",
+    )
+
+    generate = subparsers.add_parser(
+        "generate",
+        parents=[connection],
+        help="generate one image",
+        description="Generate one image, showing progress on stderr; print a JSON summary on stdout.",
+    )
+    generate.add_argument("prompt", help="the text prompt")
+    generate.add_argument("--adapter", default="", metavar="NAME", help="LoRA adapter to apply (default: base model)")
+    generate.add_argument(
+        "--scale", dest="adapter_scale", type=float, metavar="S", help="adapter strength (server default: 1.0)"
+    )
+    generate.add_argument("--steps", dest="num_inference_steps", type=int, metavar="N", help="denoising steps")
+    generate.add_argument("--guidance", dest="guidance_scale", type=float, metavar="G", help="guidance scale")
+    generate.add_argument("--width", type=int, metavar="W", help="image width in pixels")
+    generate.add_argument("--height", type=int, metavar="H", help="image height in pixels")
+    generate.add_argument("--seed", type=int, metavar="S", help="noise seed (default: the server picks one)")
+    generate.add_argument("--negative", dest="negative_prompt", default="", metavar="TEXT", help="negative prompt")
+    generate.add_argument(
+        "--format",
+        dest="image_format",
+        choices=("png", "jpeg", "webp"),
+        help="image encoding (default: from the -o suffix, else png)",
+    )
+    generate.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="PATH",
+        help="where to write the image (default: ./loraswap-SEED.EXT)",
+    )
+    generate.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    generate.set_defaults(func=run_generate)
+
+    preload = subparsers.add_parser("preload", parents=[connection], help="load and cache an adapter ahead of use")
+    preload.add_argument("adapter", metavar="NAME", help="the adapter to load")
+    preload.set_defaults(func=run_preload)
+
+    evict = subparsers.add_parser("evict", parents=[connection], help="drop an adapter from the server's caches")
+    evict.add_argument("adapter", metavar="NAME", help="the adapter to drop")
+    evict.set_defaults(func=run_evict)
+
+    adapters = subparsers.add_parser("adapters", parents=[connection], help="list the cached adapters")
+    adapters.set_defaults(func=run_adapters)
+
+    info = subparsers.add_parser("info", parents=[connection], help="describe the server's model and defaults")
+    info.set_defaults(func=run_info)
+
+
+def _reporting_errors(command: CommandFunc) -> CommandFunc:
+    """Turns failures into one line on stderr and an exit code instead of a traceback."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except LoraswapError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+    return run
+
+
+def _connect(args: argparse.Namespace) -> LoraswapClient:
+    return LoraswapClient(
+        args.server,
+        default_timeout=args.timeout if args.timeout > 0 else None,
+        wait_for_ready=args.wait,
+    )
+
+
+def _print_json(value: object, *, indent: int | None = 2) -> None:
+    print(json.dumps(value, indent=indent))
+
+
+class ProgressBar:
+    """A one-line text progress bar, redrawn in place with a carriage return."""
+
+    def __init__(self, stream: TextIO, *, width: int = 30) -> None:
+        self._stream = stream
+        self._width = width
+        self._drawn_length = 0
+
+    def show(self, event: Queued | Progress) -> None:
+        """Redraws the line for a queue position or a completed step."""
+        if isinstance(event, Queued):
+            line = f"queued: position {event.position}"
+        else:
+            total = max(event.total_steps, 1)
+            filled = self._width * min(event.step, total) // total
+            bar = "#" * filled + "-" * (self._width - filled)
+            line = f"[{bar}] {event.step}/{event.total_steps} steps  {event.elapsed_ms / 1000:.1f} s"
+        # Padding blanks out the rest of a longer line drawn before.
+        self._stream.write("\r" + line.ljust(self._drawn_length))
+        self._stream.flush()
+        self._drawn_length = len(line)
+
+    def finish(self) -> None:
+        """Ends the line so that later output starts on a fresh one."""
+        if self._drawn_length:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn_length = 0
+
+
+def _image_format(args: argparse.Namespace) -> ImageFormat:
+    if args.image_format is not None:
+        return args.image_format
+    if args.output is not None:
+        return _FORMAT_BY_SUFFIX.get(args.output.suffix.lower(), "png")
+    return "png"
+
+
+def _image_summary(image: GeneratedImage, output: Path) -> dict[str, object]:
+    return {
+        "output": str(output),
+        "seed": image.seed,
+        "adapter": image.adapter,
+        "adapter_scale": image.adapter_scale,
+        "width": image.width,
+        "height": image.height,
+        "mime_type": image.mime_type,
+        "bytes": len(image.data),
+        "timings": dataclasses.asdict(image.timings),
+        "warnings": list(image.warnings),
+    }
+
+
+@_reporting_errors
+def run_generate(args: argparse.Namespace) -> int:
+    """``loraswap generate``: streams one generation, writes the image, prints a JSON summary."""
+    progress_bar = None if args.quiet else ProgressBar(sys.stderr)
+    image: GeneratedImage | None = None
+    with _connect(args) as client:
+        try:
+            for event in client.generate(
+                args.prompt,
+                adapter=args.adapter,
+                adapter_scale=args.adapter_scale,
+                num_inference_steps=args.num_inference_steps,
+                guidance_scale=args.guidance_scale,
+                width=args.width,
+                height=args.height,
+                seed=args.seed,
+                negative_prompt=args.negative_prompt,
+                image_format=_image_format(args),
+            ):
+                if isinstance(event, GeneratedImage):
+                    image = event
+                elif progress_bar is not None:
+                    progress_bar.show(event)
+        finally:
+            if progress_bar is not None:
+                progress_bar.finish()
+    if image is None:
+        raise missing_image_error()
+    output = args.output if args.output is not None else Path(f"loraswap-{image.seed}.{image.extension}")
+    try:
+        image.save(output)
+    except OSError as exc:
+        print(f"error: cannot write the image to {output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _print_json(_image_summary(image, output), indent=None)
+    return EXIT_OK
+
+
+@_reporting_errors
+def run_preload(args: argparse.Namespace) -> int:
+    """``loraswap preload NAME``: caches an adapter and prints what the server learned about it."""
+    with _connect(args) as client:
+        result = client.preload_adapter(args.adapter)
+    _print_json(dataclasses.asdict(result))
+    return EXIT_OK
+
+
+@_reporting_errors
+def run_evict(args: argparse.Namespace) -> int:
+    """``loraswap evict NAME``: drops an adapter from the caches and prints the bytes freed."""
+    with _connect(args) as client:
+        freed_bytes = client.evict(args.adapter)
+    _print_json({"adapter": args.adapter, "freed_bytes": freed_bytes})
+    return EXIT_OK
+
+
+@_reporting_errors
+def run_adapters(args: argparse.Namespace) -> int:
+    """``loraswap adapters``: prints the server's adapter cache."""
+    with _connect(args) as client:
+        adapters = client.list_adapters()
+    _print_json(dataclasses.asdict(adapters))
+    return EXIT_OK
+
+
+@_reporting_errors
+def run_info(args: argparse.Namespace) -> int:
+    """``loraswap info``: prints the server's model, swap slot and request defaults."""
+    with _connect(args) as client:
+        info = client.server_info()
+    _print_json(dataclasses.asdict(info))
+    return EXIT_OK

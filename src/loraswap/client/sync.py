@@ -1,0 +1,213 @@
+"""A blocking client for a loraswap server: the asyncio client run on a private event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+from loraswap.client.aio import (
+    DEFAULT_TARGET,
+    USE_DEFAULT_TIMEOUT,
+    AsyncLoraswapClient,
+    ImageFormat,
+    Timeout,
+    missing_image_error,
+)
+from loraswap.client.events import AdapterList, Event, GeneratedImage, PreloadResult, Progress, ServerInfo
+
+__all__ = ["LoraswapClient"]
+
+_Result = TypeVar("_Result")
+
+
+class LoraswapClient:
+    """A blocking client for a loraswap ``DiffusionService``, with the same methods as the async one.
+
+    The calls run on an event loop in a background thread that this client
+    owns, so it may be used from any thread, including one that already runs
+    an event loop of its own. Use it as ``with LoraswapClient(...) as client:``
+    or call :meth:`close` when done.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        default_timeout: float | None = 300.0,
+        wait_for_ready: bool = True,
+    ) -> None:
+        """Creates a client for the server at ``target`` ("host:port"); see ``AsyncLoraswapClient``."""
+        self._async_client = AsyncLoraswapClient(target, default_timeout=default_timeout, wait_for_ready=wait_for_ready)
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name=f"loraswap-client-{target}", daemon=True
+        )
+        self._loop_thread.start()
+        self._closed = False
+
+    @property
+    def target(self) -> str:
+        """The server address, "host:port"."""
+        return self._async_client.target
+
+    def __enter__(self) -> LoraswapClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel and stops the background loop; calls in flight are cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shut_down() -> None:
+            await self._async_client.close()
+            await self._loop.shutdown_asyncgens()
+            # Settle what cancelled calls left behind (gRPC's own status
+            # tasks among them) before the loop closes, as asyncio.run does.
+            leftover_tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in leftover_tasks:
+                task.cancel()
+            await asyncio.gather(*leftover_tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut_down(), self._loop).result()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join()
+            self._loop.close()
+
+    def _run(self, coroutine: Coroutine[Any, Any, _Result]) -> _Result:
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError("this LoraswapClient is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # On KeyboardInterrupt the call is still running on the loop; stop it.
+            future.cancel()
+            raise
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        adapter: str = "",
+        adapter_scale: float | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        seed: int | None = None,
+        negative_prompt: str = "",
+        image_format: ImageFormat = "png",
+        timeout: Timeout = USE_DEFAULT_TIMEOUT,
+    ) -> Iterator[Event]:
+        """Generates one image, yielding ``Queued`` and ``Progress`` events as they arrive, then the ``GeneratedImage``.
+
+        Arguments left as None are not sent, so the server's defaults apply.
+        Leaving the loop early (``break``, an exception, Ctrl-C) cancels the RPC.
+
+        Raises:
+            LoraswapError: the call failed; the subclass says how.
+        """
+        if self._closed:
+            raise RuntimeError("this LoraswapClient is closed")
+        # None follows the stream's last event, whatever the stream's outcome.
+        events: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
+
+        async def forward_events() -> None:
+            stream = self._async_client.generate(
+                prompt,
+                adapter=adapter,
+                adapter_scale=adapter_scale,
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                width=width,
+                height=height,
+                seed=seed,
+                negative_prompt=negative_prompt,
+                image_format=image_format,
+                timeout=timeout,
+            )
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    events.put(event)
+
+        forwarding = asyncio.run_coroutine_threadsafe(forward_events(), self._loop)
+        forwarding.add_done_callback(lambda _: events.put(None))
+        try:
+            while (item := events.get()) is not None:
+                yield item
+            # Raises the stream's error, if it ended with one.
+            forwarding.result()
+        finally:
+            # A no-op when the stream ended; otherwise the caller stopped
+            # early and the RPC on the loop must stop too.
+            forwarding.cancel()
+
+    def generate_image(
+        self,
+        prompt: str,
+        *,
+        on_progress: Callable[[Progress], object] | None = None,
+        adapter: str = "",
+        adapter_scale: float | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        seed: int | None = None,
+        negative_prompt: str = "",
+        image_format: ImageFormat = "png",
+        timeout: Timeout = USE_DEFAULT_TIMEOUT,
+    ) -> GeneratedImage:
+        """Generates one image and returns it, calling ``on_progress`` (in this thread) with each completed step.
+
+        Raises:
+            LoraswapError: the call failed, or the stream ended without an image.
+        """
+        image: GeneratedImage | None = None
+        for event in self.generate(
+            prompt,
+            adapter=adapter,
+            adapter_scale=adapter_scale,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            width=width,
+            height=height,
+            seed=seed,
+            negative_prompt=negative_prompt,
+            image_format=image_format,
+            timeout=timeout,
+        ):
+            if isinstance(event, GeneratedImage):
+                image = event
+            elif isinstance(event, Progress) and on_progress is not None:
+                on_progress(event)
+        if image is None:
+            raise missing_image_error()
+        return image
+
+    def preload_adapter(self, name: str, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> PreloadResult:
+        """Makes the server fetch, validate and cache adapter ``name``; idempotent."""
+        return self._run(self._async_client.preload_adapter(name, timeout=timeout))
+
+    def evict(self, name: str, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> int:
+        """Drops adapter ``name`` from the server's caches and returns the bytes freed."""
+        return self._run(self._async_client.evict(name, timeout=timeout))
+
+    def list_adapters(self, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> AdapterList:
+        """Lists the adapters in the server's cache, most recently used first."""
+        return self._run(self._async_client.list_adapters(timeout=timeout))
+
+    def server_info(self, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> ServerInfo:
+        """Describes the server's resident model, its swap slot and its request defaults."""
+        return self._run(self._async_client.server_info(timeout=timeout))

@@ -1,0 +1,1 @@
+"""The engine: the resident pipeline, its adapters and its queue. It knows nothing of gRPC."""

@@ -1,0 +1,414 @@
+"""Tiny random-weight diffusers pipelines with the real FLUX.1 and SDXL architectures.
+
+The builtin models let the server (and its tests) run real ``FluxPipeline`` /
+``StableDiffusionXLPipeline`` code paths on any machine: everything is built
+locally from configs and seeded initialisation, so nothing is downloaded and
+every build yields bit-identical weights.  The images are noise, but the
+pipelines exercise the same modules (attention projections, schedulers, VAE,
+both text encoders, tokenizers) that real checkpoints have, which is what LoRA
+loading and swapping need.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    ModelMixin,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    PreTrainedModel,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "TINY_FLUX_MAX_SEQUENCE_LENGTH",
+    "TINY_SIZE_MULTIPLE",
+    "build_builtin_pipeline",
+    "builtin_defaults",
+    "export_builtin_model",
+]
+
+BUILTIN_MODELS: tuple[str, ...] = ("tiny-flux", "tiny-sdxl")
+
+# T5 prompt length for tiny-flux.  Real FLUX uses 512; 32 keeps the joint
+# attention sequence short while still covering typical test prompts.
+TINY_FLUX_MAX_SEQUENCE_LENGTH = 32
+
+# Height/width must be multiples of these (FLUX: vae_scale_factor 2 times the
+# 2x2 latent packing; SDXL: vae_scale_factor 2).
+TINY_SIZE_MULTIPLE: dict[str, int] = {"tiny-flux": 4, "tiny-sdxl": 2}
+
+_SEED = 0
+_CLIP_MAX_LENGTH = 77
+_BOS = "<|startoftext|>"
+_EOS = "<|endoftext|>"
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2/CLIP byte-to-printable-character table, in byte order."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    mapping: dict[int, int] = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = 256 + extra
+            extra += 1
+    return [chr(mapping[b]) for b in range(256)]
+
+
+def _clip_vocab() -> dict[str, int]:
+    # Same layout as the real CLIP vocab (bytes, then bytes + "</w>", then the
+    # specials) minus all merges, so every byte sequence is representable.
+    chars = _bytes_to_unicode()
+    tokens = chars + [c + "</w>" for c in chars] + [_BOS, _EOS]
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def _build_clip_tokenizer() -> CLIPTokenizer:
+    # transformers 5 builds the BPE backend straight from an in-memory vocab;
+    # no merges means every (byte-level) character is its own token.
+    return CLIPTokenizer(vocab=_clip_vocab(), merges=[], model_max_length=_CLIP_MAX_LENGTH)
+
+
+def _t5_vocab() -> list[tuple[str, float]]:
+    chars = [c for c in string.printable if not c.isspace()]
+    # Equal scores make Unigram prefer the single "▁x" piece over "▁" + "x".
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(c, -3.0) for c in chars]
+    pieces += [("▁" + c, -3.0) for c in chars]
+    return pieces
+
+
+def _build_t5_tokenizer() -> T5TokenizerFast:
+    backend = Tokenizer(models.Unigram(_t5_vocab(), unk_id=2, byte_fallback=False))
+    # Same pre-tokenisation/decoding as transformers' own T5 tokenizer, so a
+    # save/load round trip rebuilds an identical tokenizer.
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        ]
+    )
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    return T5TokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=512,  # as FLUX's T5 tokenizer; the pipeline truncates itself
+    )
+
+
+# --------------------------------------------------------------------------- components
+
+
+def _clip_text_config(tokenizer: CLIPTokenizer) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        # eos != 2 makes CLIP pool at the first EOS (not argmax of ids).
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=32,
+        intermediate_size=37,
+        projection_dim=32,
+        num_hidden_layers=2,  # SDXL reads hidden_states[-2]
+        num_attention_heads=4,
+        max_position_embeddings=_CLIP_MAX_LENGTH,
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+    )
+
+
+def _seeded(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    # Reseed before each component so one component's size never shifts the
+    # random stream (and hence the weights) of the next.
+    torch.manual_seed(_SEED)
+    module = factory()
+    return module.eval()
+
+
+def _tiny_flux_components() -> dict[str, Any]:
+    tokenizer = _build_clip_tokenizer()
+    tokenizer_2 = _build_t5_tokenizer()
+    text_encoder = _seeded(lambda: CLIPTextModel(_clip_text_config(tokenizer)))
+    text_encoder_2 = _seeded(
+        lambda: T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_2),
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=32,
+                feed_forward_proj="gated-gelu",  # T5 v1.1, as FLUX uses
+                dropout_rate=0.0,
+                pad_token_id=tokenizer_2.pad_token_id,
+                eos_token_id=tokenizer_2.eos_token_id,
+                decoder_start_token_id=tokenizer_2.pad_token_id,
+                is_encoder_decoder=False,
+                use_cache=False,
+            )
+        )
+    )
+    latent_channels = 4
+    vae = _seeded(
+        lambda: AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            latent_channels=latent_channels,
+            norm_num_groups=4,
+            sample_size=64,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+    )
+    transformer = _seeded(
+        lambda: FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=latent_channels * 4,  # FLUX packs 2x2 latent patches
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,  # T5 d_model
+            pooled_projection_dim=32,  # CLIP hidden size
+            guidance_embeds=True,  # like FLUX.1-dev
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        )
+    )
+    # FLUX.1-dev's scheduler config (resolution-dependent shift).
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return dict(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+
+
+def _tiny_sdxl_components() -> dict[str, Any]:
+    tokenizer = _build_clip_tokenizer()
+    tokenizer_2 = _build_clip_tokenizer()
+    text_encoder = _seeded(lambda: CLIPTextModel(_clip_text_config(tokenizer)))
+    text_encoder_2 = _seeded(lambda: CLIPTextModelWithProjection(_clip_text_config(tokenizer_2)))
+    vae = _seeded(
+        lambda: AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=64,
+            scaling_factor=0.13025,  # SDXL's value
+        )
+    )
+    unet = _seeded(
+        lambda: UNet2DConditionModel(
+            sample_size=32,  # 64 px at vae_scale_factor 2: the pipeline default
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(16, 32),
+            norm_num_groups=8,
+            layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=8,
+            transformer_layers_per_block=(1, 2),
+            # 6 micro-conditioning ids * 8 + text_encoder_2 projection_dim 32
+            projection_class_embeddings_input_dim=80,
+            # concat of both text encoders' hidden states (32 + 32)
+            cross_attention_dim=64,
+        )
+    )
+    # SDXL base 1.0's scheduler config.
+    scheduler = EulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return dict(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=unet,
+        scheduler=scheduler,
+    )
+
+
+_BUILDERS: dict[str, tuple[type[DiffusionPipeline], Callable[[], dict[str, Any]]]] = {
+    "tiny-flux": (FluxPipeline, _tiny_flux_components),
+    "tiny-sdxl": (StableDiffusionXLPipeline, _tiny_sdxl_components),
+}
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tiny-flux": dict(
+        width=64,
+        height=64,
+        num_inference_steps=4,
+        guidance_scale=3.5,
+        max_sequence_length=TINY_FLUX_MAX_SEQUENCE_LENGTH,
+    ),
+    "tiny-sdxl": dict(width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
+}
+
+
+def _check_name(name: str) -> None:
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown builtin model {name!r}; valid choices: {', '.join(BUILTIN_MODELS)}")
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+@contextmanager
+def _private_rng() -> Iterator[None]:
+    # Weights are initialised on CPU only; fork_rng restores the caller's CPU
+    # RNG state afterwards so a build never perturbs their random stream.  The
+    # lock keeps concurrent builds from reseeding each other mid-build.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        yield
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def build_builtin_pipeline(name: str, torch_dtype: torch.dtype = torch.float32) -> DiffusionPipeline:
+    """Build a builtin tiny pipeline in memory.
+
+    Args:
+        name: One of :data:`BUILTIN_MODELS` (``"tiny-flux"`` or ``"tiny-sdxl"``).
+        torch_dtype: dtype for all model weights.
+
+    Returns:
+        A ``FluxPipeline`` (``tiny-flux``) or ``StableDiffusionXLPipeline``
+        (``tiny-sdxl``) on CPU with random but bit-identical weights on every
+        call.  The caller's global torch RNG state is left untouched; builds
+        are serialised with each other, but another thread drawing from the
+        global CPU RNG during a build would still change the weights.
+        Height/width must be multiples of :data:`TINY_SIZE_MULTIPLE`; see
+        :func:`builtin_defaults` for fitting generation arguments.
+
+    Raises:
+        ValueError: if ``name`` is not a builtin model.
+    """
+    _check_name(name)
+    pipeline_cls, components_fn = _BUILDERS[name]
+    with _private_rng():
+        components = components_fn()
+    pipe = pipeline_cls(**components)
+    # Record the builtin name (not a Hub repo id) as the origin everywhere a
+    # name_or_path is kept, so nothing mistakes these models for Hub ones.
+    pipe.register_to_config(_name_or_path=name)
+    for module in components.values():
+        if isinstance(module, PreTrainedModel):
+            module.config._name_or_path = name
+        elif isinstance(module, ModelMixin):
+            module.register_to_config(_name_or_path=name)
+    if torch_dtype != torch.float32:
+        pipe.to(dtype=torch_dtype)
+    return pipe
+
+
+def export_builtin_model(name: str, directory: str | os.PathLike[str]) -> Path:
+    """Write a builtin model to ``directory`` as a regular diffusers folder.
+
+    The folder (``model_index.json`` plus one subfolder per component, weights
+    as safetensors) loads offline with ``FluxPipeline`` /
+    ``StableDiffusionXLPipeline`` / ``DiffusionPipeline.from_pretrained``.
+    The loaded weights and tokenizers are identical to the in-memory build;
+    images agree to float rounding (~1e-6, as memory-mapped weights can take
+    different CPU kernel paths).
+
+    Args:
+        name: One of :data:`BUILTIN_MODELS`.
+        directory: Target folder; created if missing.
+
+    Returns:
+        The folder path.
+
+    Raises:
+        ValueError: if ``name`` is not a builtin model.
+    """
+    _check_name(name)
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    build_builtin_pipeline(name).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def builtin_defaults(name: str) -> dict[str, Any]:
+    """Generation defaults suited to a builtin model.
+
+    Returns a fresh dict with ``width``, ``height``, ``num_inference_steps``,
+    ``guidance_scale`` and, for ``tiny-flux``, ``max_sequence_length``; it can
+    be splatted into the pipeline call.
+
+    Raises:
+        ValueError: if ``name`` is not a builtin model.
+    """
+    _check_name(name)
+    return dict(_DEFAULTS[name])

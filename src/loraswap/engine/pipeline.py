@@ -1,0 +1,381 @@
+"""The resident pipeline: load it, put the swap slot in place, compile, warm up, run one job.
+
+Everything here runs on the engine's single worker thread (start-up included),
+always under `torch.inference_mode()`: compiled graphs are specialised on the
+grad mode, so warming up and serving in the same mode keeps them valid.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from loraswap.engine.adapters.canonical import CanonicalAdapter, SlotSpec
+from loraswap.engine.adapters.slot import SLOT_ADAPTER_NAME, HotswapSlot
+from loraswap.engine.config import EngineConfig
+from loraswap.engine.errors import GenerationCancelledError, InvalidRequestError
+from loraswap.engine.types import (
+    GeneratedImage,
+    GenerationParams,
+    GenerationRequest,
+    ImageFormat,
+    ModelFamily,
+    StepProgress,
+    Timings,
+)
+
+log = logging.getLogger(__name__)
+
+# Layers an adapter may change, as module-name suffixes; the union of what the
+# common trainers (diffusers' dreambooth scripts, kohya, ai-toolkit) target on
+# linear layers.
+DEFAULT_TARGET_MODULES = {
+    ModelFamily.FLUX: (
+        "to_q", "to_k", "to_v", "to_out.0",
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+        "proj_mlp", "proj_out",
+    ),
+    ModelFamily.SDXL: (
+        "to_q", "to_k", "to_v", "to_out.0",
+        "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out",
+    ),
+}  # fmt: skip
+
+MAX_STEPS = 200
+MAX_GUIDANCE = 50.0
+MAX_ADAPTER_SCALE = 8.0
+MAX_PROMPT_CHARS = 4000
+JPEG_QUALITY = 95
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """Generation settings that fit a model when a request leaves them unset."""
+
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    max_sequence_length: int | None = None
+
+
+def _defaults_for(model: str, pipe) -> ModelDefaults:
+    from loraswap.engine.models import BUILTIN_MODELS, builtin_defaults
+
+    if model in BUILTIN_MODELS:
+        values = builtin_defaults(model)
+        return ModelDefaults(
+            width=values["width"],
+            height=values["height"],
+            num_inference_steps=values["num_inference_steps"],
+            guidance_scale=values["guidance_scale"],
+            max_sequence_length=values.get("max_sequence_length"),
+        )
+    if hasattr(pipe, "transformer"):
+        if getattr(pipe.transformer.config, "guidance_embeds", False):
+            return ModelDefaults(1024, 1024, 28, 3.5, 512)  # Flux.1 [dev]
+        return ModelDefaults(1024, 1024, 4, 0.0, 256)  # Flux.1 [schnell]
+    return ModelDefaults(1024, 1024, 30, 5.0)
+
+
+def _resolve_device(config: EngineConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype:
+        dtype = getattr(torch, config.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown --dtype {config.dtype!r}; use float32, float16 or bfloat16")
+        return dtype
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_pipeline(model: str, dtype: torch.dtype):
+    """A built-in tiny model by name, or a diffusers pipeline folder / Hub id via from_pretrained."""
+    from diffusers import DiffusionPipeline
+
+    from loraswap.engine.models import BUILTIN_MODELS, build_builtin_pipeline
+
+    if model in BUILTIN_MODELS:
+        return build_builtin_pipeline(model, torch_dtype=dtype)
+    return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+
+
+def family_of(pipe) -> ModelFamily:
+    """Flux or SDXL, from the pipeline's classes."""
+    from diffusers import FluxPipeline, StableDiffusionXLPipeline
+
+    if isinstance(pipe, FluxPipeline):
+        return ModelFamily.FLUX
+    if isinstance(pipe, StableDiffusionXLPipeline):
+        return ModelFamily.SDXL
+    raise ValueError(f"{type(pipe).__name__} is not supported; loraswap serves FluxPipeline and StableDiffusionXLPipeline")
+
+
+def resolve_target_layers(denoiser: torch.nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """Names of the Linear layers whose name is, or ends with '.' + , one of the patterns."""
+    names = [
+        name
+        for name, module in denoiser.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and any(name == pattern or name.endswith("." + pattern) for pattern in patterns)
+    ]
+    if not names:
+        raise ValueError(f"--target-modules {', '.join(patterns)} match no linear layer of the model")
+    return names
+
+
+class _CountingBackend:
+    """A torch.compile backend that counts the graphs it compiles, then defers to the real one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.graphs_compiled = 0
+
+    def __call__(self, graph_module, example_inputs):
+        import torch._dynamo
+
+        self.graphs_compiled += 1
+        return torch._dynamo.lookup_backend(self.name)(graph_module, example_inputs)
+
+
+def encode_image(image, image_format: ImageFormat) -> bytes:
+    """PIL image -> file bytes in the requested format."""
+    buffer = io.BytesIO()
+    if image_format is ImageFormat.JPEG:
+        image.convert("RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    elif image_format is ImageFormat.WEBP:
+        image.save(buffer, format="WEBP", lossless=True)
+    else:
+        image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class DiffusionRuntime:
+    """The warm pipeline with its swap slot. Construct and call only on the worker thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config)
+        self.dtype = _resolve_dtype(config, self.device)
+        self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
+        self._backend: _CountingBackend | None = None
+        self._graphs_at_ready = 0
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        elif hasattr(os, "sched_getaffinity"):
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+        started = time.perf_counter()
+        self.pipe = load_pipeline(config.model, self.dtype)
+        self.family = family_of(self.pipe)
+        self.defaults = _defaults_for(config.model, self.pipe)
+        self.pipe.set_progress_bar_config(disable=True)
+        for component in self.pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.requires_grad_(False)
+        self.pipe.to(self.device)
+        self.denoiser = self.pipe.transformer if self.family is ModelFamily.FLUX else self.pipe.unet
+        patterns = config.target_modules or DEFAULT_TARGET_MODULES[self.family]
+        self.target_layers = resolve_target_layers(self.denoiser, tuple(patterns))
+        self.slot = self._install_slot()
+        if self.compiled:
+            self._backend = _CountingBackend(config.compile_backend)
+            self.denoiser.compile(backend=self._backend)
+        if config.warmup:
+            self._warm_up()
+        if self._backend is not None:
+            self._graphs_at_ready = self._backend.graphs_compiled
+        log.info(
+            "ready: %s (%s, %s on %s), %d slot layers at rank %d, compiled=%s, in %.1f s",
+            config.model, self.family.value, self.dtype, self.device, len(self.target_layers),
+            config.max_rank, self.compiled, time.perf_counter() - started,
+        )  # fmt: skip
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def _install_slot(self) -> HotswapSlot:
+        """Enable hotswap at max rank and load a zero-effect placeholder covering every target layer."""
+        rank = self.config.max_rank
+        if hasattr(self.denoiser, "enable_lora_hotswap"):
+            self.denoiser.enable_lora_hotswap(target_rank=rank)
+        placeholder = {}
+        for name in self.target_layers:
+            layer = self.denoiser.get_submodule(name)
+            # Fresh tensors for every key: diffusers may keep the very tensors it is given.
+            placeholder[f"{name}.lora_A.weight"] = torch.zeros(rank, layer.in_features, dtype=self.dtype)
+            placeholder[f"{name}.lora_B.weight"] = torch.zeros(layer.out_features, rank, dtype=self.dtype)
+        self.denoiser.load_lora_adapter(placeholder, prefix=None, adapter_name=SLOT_ADAPTER_NAME)
+        self.denoiser.to(self.device)
+        self.denoiser.requires_grad_(False)
+        return HotswapSlot(self.denoiser, self.target_layers, rank)
+
+    def _warm_up(self) -> None:
+        params = self.resolve(GenerationRequest(prompt="warm-up", seed=0))
+        self.generate(params, None, on_step=lambda progress: None, is_cancelled=lambda: False)
+
+    # -- facts --------------------------------------------------------------------------------------
+
+    @property
+    def size_multiple(self) -> int:
+        if self.family is ModelFamily.FLUX:
+            return self.pipe.vae_scale_factor * 2
+        return 8
+
+    @property
+    def recompilations(self) -> int:
+        """Graphs compiled since warm-up finished (0 when not compiled)."""
+        if self._backend is None:
+            return 0
+        return self._backend.graphs_compiled - self._graphs_at_ready
+
+    def slot_spec(self) -> SlotSpec:
+        """What adapters must fit to be swapped into this runtime's slot."""
+        shapes = {}
+        for name in self.target_layers:
+            layer = self.denoiser.get_submodule(name).base_layer
+            shapes[name] = (layer.in_features, layer.out_features)
+        return SlotSpec(
+            family=self.family,
+            layer_shapes=shapes,
+            max_rank=self.config.max_rank,
+            dtype=self.dtype,
+            device=self.device,
+            denoiser_config=dict(self.denoiser.config),
+            strict=self.config.strict_adapters,
+        )
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def resolve(self, request: GenerationRequest) -> GenerationParams:
+        """Validate a request against this model and fill in its defaults."""
+        if not request.prompt.strip():
+            raise InvalidRequestError("prompt is empty; describe the image to generate", field="prompt")
+        if len(request.prompt) > MAX_PROMPT_CHARS or len(request.negative_prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(f"prompts are limited to {MAX_PROMPT_CHARS} characters", field="prompt")
+        steps = self.defaults.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise InvalidRequestError(
+                f"num_inference_steps is {steps}; use 1 to {MAX_STEPS}, or leave it unset for the model's "
+                f"default ({self.defaults.num_inference_steps})",
+                field="num_inference_steps",
+            )
+        guidance = self.defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale
+        if not 0.0 <= guidance <= MAX_GUIDANCE:
+            raise InvalidRequestError(
+                f"guidance_scale is {guidance}; use 0 to {MAX_GUIDANCE}", field="guidance_scale"
+            )
+        scale = 1.0 if request.adapter_scale is None else float(request.adapter_scale)
+        if not -MAX_ADAPTER_SCALE <= scale <= MAX_ADAPTER_SCALE:
+            raise InvalidRequestError(
+                f"adapter_scale is {scale}; use -{MAX_ADAPTER_SCALE} to {MAX_ADAPTER_SCALE}", field="adapter_scale"
+            )
+        width = self._check_size("width", request.width, self.defaults.width)
+        height = self._check_size("height", request.height, self.defaults.height)
+        seed = secrets.randbits(63) if request.seed is None else request.seed
+        if not 0 <= seed < 2**64:
+            raise InvalidRequestError("seed must lie in [0, 2^64)", field="seed")
+        return GenerationParams(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            adapter=request.adapter,
+            adapter_scale=scale if request.adapter else 1.0,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            width=width,
+            height=height,
+            seed=seed,
+            image_format=request.image_format,
+        )
+
+    def _check_size(self, field: str, value: int | None, default: int) -> int:
+        if value is None:
+            return default
+        multiple = self.size_multiple
+        if not multiple <= value <= self.config.max_size or value % multiple:
+            nearest = min(max(multiple, round(value / multiple) * multiple), self.config.max_size)
+            raise InvalidRequestError(
+                f"{field} is {value}; it must be a multiple of {multiple} between {multiple} and "
+                f"{self.config.max_size} for this model (nearest valid: {nearest})",
+                field=field,
+                multiple=multiple,
+            )
+        return value
+
+    def generate(
+        self,
+        params: GenerationParams,
+        adapter: CanonicalAdapter | None,
+        *,
+        on_step: Callable[[StepProgress], None],
+        is_cancelled: Callable[[], bool],
+        timings: Timings = Timings(),
+        warnings: tuple[str, ...] = (),
+    ) -> GeneratedImage:
+        """Swap `adapter` in, run the pipeline streaming each step through on_step, encode the image.
+
+        Raises GenerationCancelledError at the first step boundary after is_cancelled() turns true,
+        before the VAE decode.
+        """
+        with torch.inference_mode():
+            swap_ms = self.slot.load(adapter, params.adapter_scale)
+            started = time.perf_counter()
+            last_step_at = started
+
+            def step_end(pipe, index, timestep, callback_kwargs):
+                nonlocal last_step_at
+                last_step_at = time.perf_counter()
+                on_step(StepProgress(index + 1, params.num_inference_steps, (last_step_at - started) * 1000.0))
+                if is_cancelled():
+                    raise GenerationCancelledError("the caller cancelled; generation stopped at a step boundary")
+                return callback_kwargs
+
+            result = self.pipe(**self._pipeline_kwargs(params), callback_on_step_end=step_end)
+            image = result.images[0]
+            data = encode_image(image, params.image_format)
+        finished = time.perf_counter()
+        return GeneratedImage(
+            data=data,
+            image_format=params.image_format,
+            width=image.width,
+            height=image.height,
+            seed=params.seed,
+            adapter=params.adapter,
+            adapter_scale=params.adapter_scale,
+            timings=Timings(
+                queue_ms=timings.queue_ms,
+                adapter_load_ms=timings.adapter_load_ms,
+                adapter_swap_ms=swap_ms,
+                denoise_ms=(last_step_at - started) * 1000.0,
+                decode_ms=(finished - last_step_at) * 1000.0,
+            ),
+            warnings=warnings,
+        )
+
+    def _pipeline_kwargs(self, params: GenerationParams) -> dict:
+        kwargs = dict(
+            prompt=params.prompt,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            width=params.width,
+            height=params.height,
+            # A CPU generator makes the initial noise, and so the image, the same on every device.
+            generator=torch.Generator("cpu").manual_seed(params.seed),
+            output_type="pil",
+        )
+        if self.family is ModelFamily.SDXL:
+            kwargs["negative_prompt"] = params.negative_prompt or None
+        if self.defaults.max_sequence_length is not None:
+            kwargs["max_sequence_length"] = self.defaults.max_sequence_length
+        return kwargs

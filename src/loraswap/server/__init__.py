@@ -1,0 +1,1 @@
+"""The gRPC server: settings, app wiring and the transport layer."""

@@ -1,0 +1,1 @@
+"""The only grpc-aware server code: servicer, proto <-> domain conversion, error table."""
