@@ -222,8 +222,25 @@ class DiffusionRuntime:
         return HotswapSlot(self.denoiser, self.target_layers, rank)
 
     def _warm_up(self) -> None:
-        params = self.resolve(GenerationRequest(prompt="warm-up", seed=0))
-        self.generate(params, None, on_step=lambda progress: None, is_cancelled=lambda: False)
+        """Run the pipeline at two different shapes, so compiled graphs come out shape-generic.
+
+        dynamo compiles the first call for its exact shapes; a second call with other
+        shapes makes it mark the changed dimensions dynamic. Doing that here means a
+        request at a new resolution (or, on SDXL, with classifier-free guidance off)
+        reuses the warm graphs instead of recompiling while serving.
+        """
+        multiple = self.size_multiple
+        other_width = self.defaults.width + 2 * multiple
+        other_height = max(multiple, self.defaults.height - multiple)
+        requests = [
+            GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2),
+            GenerationRequest(
+                prompt="warm-up", seed=0, num_inference_steps=2, width=other_width, height=other_height,
+                guidance_scale=1.0 if self.family is ModelFamily.SDXL else None,
+            ),
+        ]  # fmt: skip
+        for request in requests:
+            self.generate(self.resolve(request), None, on_step=lambda progress: None, is_cancelled=lambda: False)
 
     # -- facts --------------------------------------------------------------------------------------
 

@@ -1,0 +1,32 @@
+# loraswap on a CUDA machine, serving $MODEL_ID (a Hub id or a mounted diffusers folder).
+#   docker build -t loraswap .
+#   docker run --gpus all -p 50051:50051 -e MODEL_ID=black-forest-labs/FLUX.1-dev \
+#     -e HF_TOKEN=... -v $PWD/adapters:/adapters loraswap
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
+    && rm -rf /var/lib/apt/lists/*
+
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+RUN python3 -m venv $VIRTUAL_ENV && pip install --no-cache-dir --upgrade pip \
+    && pip install --no-cache-dir torch==2.13.0
+
+WORKDIR /app
+COPY pyproject.toml setup.py README.md ./
+COPY protos protos
+COPY src src
+RUN pip install --no-cache-dir .
+
+ENV MODEL_ID=black-forest-labs/FLUX.1-dev \
+    LORASWAP_ADAPTER_DIR=/adapters \
+    LORASWAP_PORT=50051 \
+    LORASWAP_COMPILE=true
+VOLUME ["/adapters"]
+EXPOSE 50051
+
+# Start-up loads, compiles and warms the model before SERVING: give it time.
+HEALTHCHECK --interval=15s --timeout=10s --start-period=900s --retries=3 \
+    CMD python -m loraswap.server.healthcheck localhost:50051
+
+CMD ["sh", "-c", "exec loraswap serve --model \"$MODEL_ID\""]

@@ -1,0 +1,32 @@
+"""The default torch.compile backend (inductor) through a real server: swaps, references, no recompiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraswap.client import AsyncLoraswapClient
+from loraswap.server.app import start_server
+from tests.conftest import assert_images_close, decode
+from tests.integration.conftest import server_settings
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_inductor_swaps_match_diffusers_without_recompiling(flux_adapter_dir, flux_reference):
+    running = await start_server(server_settings("tiny-flux", flux_adapter_dir, compile_backend="inductor"))
+    try:
+        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=300) as client:
+            info = await client.server_info()
+            assert info.compiled
+            for adapter, scale in [("r4-attn", 1.0), ("", 1.0), ("r16-mlp", 0.7), ("r8-context", 1.0), ("", 1.0)]:
+                image = await client.generate_image(
+                    "a lighthouse at dusk", adapter=adapter, adapter_scale=scale, seed=11, num_inference_steps=4
+                )
+                expected = flux_reference.image(
+                    adapter, scale, prompt="a lighthouse at dusk", seed=11, steps=4,
+                    guidance=info.default_guidance_scale,
+                )  # fmt: skip
+                assert_images_close(decode(image.data), expected)
+            assert (await client.server_info()).recompilations == 0
+    finally:
+        await running.stop(1.0)
