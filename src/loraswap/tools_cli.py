@@ -25,10 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_make_adapter(args: argparse.Namespace) -> int:
+    import torch
+
     from loraswap.engine.adapters.random_adapter import write_random_adapter
     from loraswap.engine.pipeline import load_pipeline
-
-    import torch
 
     pipe = load_pipeline(args.model, torch.float32)
     targets = tuple(t.strip() for t in args.target_modules.split(",") if t.strip())

@@ -8,7 +8,6 @@ from loraswap.client import AsyncLoraswapClient
 from loraswap.engine.config import EngineConfig
 from loraswap.server.app import start_server
 from loraswap.server.config import Settings
-
 from tests.conftest import TEST_TORCH_THREADS
 
 

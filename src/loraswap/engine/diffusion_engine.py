@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
 
 from loraswap.engine.adapters.cache import AdapterCache, CacheEntry
 from loraswap.engine.adapters.canonical import CanonicalAdapter, SlotSpec, load_canonical

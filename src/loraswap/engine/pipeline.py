@@ -12,8 +12,8 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -337,7 +337,7 @@ class DiffusionRuntime:
         *,
         on_step: Callable[[StepProgress], None],
         is_cancelled: Callable[[], bool],
-        timings: Timings = Timings(),
+        timings: Timings | None = None,
         warnings: tuple[str, ...] = (),
     ) -> GeneratedImage:
         """Swap `adapter` in, run the pipeline streaming each step through on_step, encode the image.
@@ -345,6 +345,7 @@ class DiffusionRuntime:
         Raises GenerationCancelledError at the first step boundary after is_cancelled() turns true,
         before the VAE decode.
         """
+        timings = timings or Timings()
         with torch.inference_mode():
             swap_ms = self.slot.load(adapter, params.adapter_scale)
             started = time.perf_counter()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from loraswap.engine.adapters.canonical import CanonicalAdapter
 from loraswap.engine.errors import EngineError, GenerationFailedError, NotServingError, QueueFullError

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from loraswap.engine.config import (
     DEFAULT_ADAPTER_CACHE_BYTES,

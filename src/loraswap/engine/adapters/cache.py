@@ -10,9 +10,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from loraswap.engine.adapters.canonical import CanonicalAdapter
 from loraswap.engine.errors import AdapterNotFoundError, AdapterTooLargeError

@@ -89,7 +89,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             header = handle.metadata() or {}
-            state_dict = {key: handle.get_tensor(key) for key in handle.keys()}
+            state_dict = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise AdapterFormatError(
             f"{path.name} is not a readable safetensors file ({exc}); re-export or re-download the adapter"
@@ -179,7 +179,7 @@ def _canonical_layers(
     state_dict: dict[str, torch.Tensor], scalings: dict[str, float], spec: SlotSpec
 ) -> dict[str, CanonicalLayer]:
     unexpected = sorted(
-        key for key in state_dict if not (key.endswith(".lora_A.weight") or key.endswith(".lora_B.weight"))
+        key for key in state_dict if not key.endswith((".lora_A.weight", ".lora_B.weight"))
     )
     if unexpected:
         raise AdapterFormatError(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -19,6 +20,22 @@ log = logging.getLogger(__name__)
 
 async def _abort(context: grpc.aio.ServicerContext, error: EngineError) -> None:
     await context.abort_with_status(to_rpc_status(error))
+
+
+def _unary_errors_mapped(method):
+    """Turn engine errors (and anything unexpected) into statuses from the one error table."""
+
+    @functools.wraps(method)
+    async def mapped(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except EngineError as error:
+            await _abort(context, error)
+        except Exception:
+            log.exception("%s failed", method.__name__)
+            await _abort(context, INTERNAL_ERROR)
+
+    return mapped
 
 
 def _required_adapter(name: str) -> str:
@@ -46,32 +63,24 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
             log.exception("Generate failed")
             await _abort(context, INTERNAL_ERROR)
 
+    @_unary_errors_mapped
     async def PreloadAdapter(
         self, request: pb.PreloadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreloadAdapterResponse:
-        try:
-            return convert.preload_to_pb(await self.engine.preload(_required_adapter(request.adapter)))
-        except EngineError as error:
-            await _abort(context, error)
-        except Exception:
-            log.exception("PreloadAdapter failed")
-            await _abort(context, INTERNAL_ERROR)
+        return convert.preload_to_pb(await self.engine.preload(_required_adapter(request.adapter)))
 
+    @_unary_errors_mapped
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
-        try:
-            return pb.EvictResponse(freed_bytes=self.engine.evict(_required_adapter(request.adapter)))
-        except EngineError as error:
-            await _abort(context, error)
+        return pb.EvictResponse(freed_bytes=self.engine.evict(_required_adapter(request.adapter)))
 
+    @_unary_errors_mapped
     async def ListAdapters(
         self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListAdaptersResponse:
         return convert.adapter_list_to_pb(self.engine.list_adapters())
 
+    @_unary_errors_mapped
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetServerInfoResponse:
-        try:
-            return convert.server_description_to_pb(self.engine.describe())
-        except EngineError as error:
-            await _abort(context, error)
+        return convert.server_description_to_pb(self.engine.describe())
