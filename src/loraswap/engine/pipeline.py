@@ -8,12 +8,14 @@ grad mode, so warming up and serving in the same mode keeps them valid.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -68,22 +70,26 @@ class ModelDefaults:
 
 
 def _defaults_for(model: str, pipe) -> ModelDefaults:
-    from loraswap.engine.models import BUILTIN_MODELS, builtin_defaults
+    """The built-in's defaults, a model folder's loraswap_generation.json, or the family's published ones."""
+    from loraswap.engine.models import BUILTIN_MODELS, GENERATION_DEFAULTS_FILE, builtin_defaults
 
     if model in BUILTIN_MODELS:
         values = builtin_defaults(model)
-        return ModelDefaults(
-            width=values["width"],
-            height=values["height"],
-            num_inference_steps=values["num_inference_steps"],
-            guidance_scale=values["guidance_scale"],
-            max_sequence_length=values.get("max_sequence_length"),
-        )
-    if hasattr(pipe, "transformer"):
+    elif (Path(model) / GENERATION_DEFAULTS_FILE).is_file():
+        values = json.loads((Path(model) / GENERATION_DEFAULTS_FILE).read_text())
+    elif hasattr(pipe, "transformer"):
         if getattr(pipe.transformer.config, "guidance_embeds", False):
             return ModelDefaults(1024, 1024, 28, 3.5, 512)  # Flux.1 [dev]
         return ModelDefaults(1024, 1024, 4, 0.0, 256)  # Flux.1 [schnell]
-    return ModelDefaults(1024, 1024, 30, 5.0)
+    else:
+        return ModelDefaults(1024, 1024, 30, 5.0)  # SDXL base
+    return ModelDefaults(
+        width=values["width"],
+        height=values["height"],
+        num_inference_steps=values["num_inference_steps"],
+        guidance_scale=values["guidance_scale"],
+        max_sequence_length=values.get("max_sequence_length"),
+    )
 
 
 def _resolve_device(config: EngineConfig) -> torch.device:
@@ -269,7 +275,7 @@ class DiffusionRuntime:
             max_rank=self.config.max_rank,
             dtype=self.dtype,
             device=self.device,
-            denoiser_config=dict(self.denoiser.config),
+            denoiser_config=self.denoiser.config,  # diffusers' FrozenDict: its converters read attributes
             strict=self.config.strict_adapters,
         )
 

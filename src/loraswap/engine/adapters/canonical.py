@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ class SlotSpec:
     max_rank: int
     dtype: torch.dtype
     device: torch.device
-    denoiser_config: dict
+    denoiser_config: Mapping  # the denoiser's diffusers config (attribute access needed by converters)
     strict: bool = False
 
     @property
@@ -99,6 +100,8 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]
         metadata = json.loads(raw) if raw else None
     except json.JSONDecodeError as exc:
         raise AdapterFormatError(f"{path.name} has malformed '{LORA_ADAPTER_METADATA_KEY}' metadata") from exc
+    if metadata is not None and not isinstance(metadata, dict):
+        raise AdapterFormatError(f"{path.name} has '{LORA_ADAPTER_METADATA_KEY}' metadata that is not a JSON object")
     return state_dict, metadata
 
 
@@ -115,7 +118,8 @@ def _to_diffusers_keys(
             converted, alphas = StableDiffusionXLPipeline.lora_state_dict(
                 state_dict, unet_config=spec.denoiser_config
             )
-    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+    # diffusers' converters signal unexpected layouts with asserts and attribute errors too.
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError, AssertionError) as exc:
         raise AdapterFormatError(
             f"the adapter's keys are in no layout diffusers can read for {spec.family.value} ({exc})"
         ) from exc
@@ -150,7 +154,7 @@ def _layer_scalings(
         metadata = {k.removeprefix(f"{prefix}."): v for k, v in metadata.items() if k.startswith(f"{prefix}.")}
     try:
         config = _create_lora_config(state_dict, alphas or None, metadata or None, ranks)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise AdapterFormatError(f"the adapter's LoRA configuration is not valid ({exc})") from exc
     if getattr(config, "use_dora", False):
         raise AdapterIncompatibleError("DoRA adapters cannot be swapped in place; use a plain LoRA")
@@ -163,6 +167,19 @@ def _layer_scalings(
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
         scalings[module] = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
     return scalings
+
+
+def _check_factor_pairs(state_dict: dict[str, torch.Tensor]) -> None:
+    """Every layer needs both factors; a lone lora_A or lora_B is a broken file."""
+    modules_a = {key.removesuffix(".lora_A.weight") for key in state_dict if key.endswith(".lora_A.weight")}
+    modules_b = {key.removesuffix(".lora_B.weight") for key in state_dict if key.endswith(".lora_B.weight")}
+    unpaired = sorted(modules_a ^ modules_b)
+    if unpaired:
+        raise AdapterFormatError(
+            f"{len(unpaired)} layer(s) have only one of lora_A/lora_B (e.g. {unpaired[0]}); the file is incomplete"
+        )
+    if not modules_a:
+        raise AdapterFormatError("the adapter holds no LoRA factor pairs (lora_A/lora_B) for the denoiser")
 
 
 def _check_tensor(key: str, tensor: torch.Tensor) -> None:
@@ -264,6 +281,7 @@ def load_canonical(adapter_file: AdapterFile, spec: SlotSpec) -> CanonicalAdapte
         from diffusers.utils import convert_unet_state_dict_to_peft
 
         own = convert_unet_state_dict_to_peft(own)
+    _check_factor_pairs(own)
     scalings = _layer_scalings(own, alphas, metadata, prefix)
     layers = _canonical_layers(own, scalings, spec)
     return CanonicalAdapter(

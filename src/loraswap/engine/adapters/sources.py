@@ -57,8 +57,12 @@ def parse_hub_ref(name: str) -> HubRef | None:
     return HubRef(match["repo"], match["revision"], match["weight"])
 
 
+def _has_bad_segment(path: str) -> bool:
+    return any(segment in ("", ".", "..") for segment in path.split("/"))
+
+
 def check_name(name: str) -> None:
-    """Refuse names that break the grammar before anything touches the disk."""
+    """Refuse names that break the grammar before anything touches the disk or the network."""
     if not name:
         raise AdapterNameError("the adapter name is empty; leave `adapter` unset for the base model")
     if len(name) > MAX_NAME_LENGTH:
@@ -67,14 +71,18 @@ def check_name(name: str) -> None:
         raise AdapterNameError(
             f"adapter name {name!r} is an absolute path; name adapters relative to the server's adapter directory"
         )
-    if any(segment in ("", ".", "..") for segment in name.split(":", 1)[0].split("@", 1)[0].split("/")):
-        raise AdapterNameError(
-            f"adapter name {name!r} has an empty, '.' or '..' segment; names cannot leave the adapter directory"
-        )
-    if not (name.startswith("hf:") or _LOCAL_NAME.fullmatch(name) or parse_hub_ref(name)):
+    ref = parse_hub_ref(name)
+    is_local = not name.startswith("hf:") and _LOCAL_NAME.fullmatch(name) is not None
+    if not is_local and ref is None:
         raise AdapterNameError(
             f"adapter name {name!r} is not valid: use letters, digits, '.', '_', '-' and '/' "
             "(or hf:owner/repo[@revision][:file.safetensors] for the Hub)"
+        )
+    parts = [name] if is_local else [ref.repo_id, ref.revision or "main", ref.weight_name or "x"]
+    if any(_has_bad_segment(part) for part in parts):
+        raise AdapterNameError(
+            f"adapter name {name!r} has an empty, '.' or '..' segment; names cannot leave the adapter directory "
+            "or the Hub repository"
         )
 
 
@@ -174,6 +182,7 @@ class HubAdapterSource:
         from huggingface_hub import hf_hub_download, snapshot_download
         from huggingface_hub.errors import (
             EntryNotFoundError,
+            HFValidationError,
             LocalEntryNotFoundError,
             RepositoryNotFoundError,
             RevisionNotFoundError,
@@ -192,6 +201,8 @@ class HubAdapterSource:
                     snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["*.safetensors", "*.bin"])
                 )
                 path = pick_weight_file(folder, name)
+        except HFValidationError as exc:
+            raise AdapterNameError(f"{name!r} is not a valid Hub reference: {exc}") from exc
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError, LocalEntryNotFoundError) as exc:
             raise AdapterNotFoundError(
                 f"adapter {name!r} was not found on the Hub or in the local Hub cache: {type(exc).__name__}"

@@ -2,6 +2,7 @@
 
 from loraswap.engine.models.tiny import (
     BUILTIN_MODELS,
+    GENERATION_DEFAULTS_FILE,
     TINY_FLUX_MAX_SEQUENCE_LENGTH,
     TINY_SIZE_MULTIPLE,
     build_builtin_pipeline,
@@ -11,6 +12,7 @@ from loraswap.engine.models.tiny import (
 
 __all__ = [
     "BUILTIN_MODELS",
+    "GENERATION_DEFAULTS_FILE",
     "TINY_FLUX_MAX_SEQUENCE_LENGTH",
     "TINY_SIZE_MULTIPLE",
     "build_builtin_pipeline",

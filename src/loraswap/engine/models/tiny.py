@@ -11,6 +11,7 @@ loading and swapping need.
 
 from __future__ import annotations
 
+import json
 import os
 import string
 import threading
@@ -57,6 +58,9 @@ BUILTIN_MODELS: tuple[str, ...] = ("tiny-flux", "tiny-sdxl")
 # T5 prompt length for tiny-flux.  Real FLUX uses 512; 32 keeps the joint
 # attention sequence short while still covering typical test prompts.
 TINY_FLUX_MAX_SEQUENCE_LENGTH = 32
+# Written beside model_index.json: the generation defaults (size, steps, guidance,
+# sequence length) that fit the model; read by the engine when serving a folder.
+GENERATION_DEFAULTS_FILE = "loraswap_generation.json"
 
 # Height/width must be multiples of these (FLUX: vae_scale_factor 2 times the
 # 2x2 latent packing; SDXL: vae_scale_factor 2).
@@ -397,6 +401,8 @@ def export_builtin_model(name: str, directory: str | os.PathLike[str]) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     build_builtin_pipeline(name).save_pretrained(path, safe_serialization=True)
+    # The model's generation settings travel with it, so `loraswap serve --model DIR` uses them.
+    (path / GENERATION_DEFAULTS_FILE).write_text(json.dumps(builtin_defaults(name), indent=2) + "\n")
     return path
 
 

@@ -1,0 +1,124 @@
+"""The one table from engine errors to gRPC status, with exactly one google.rpc.ErrorInfo per error."""
+
+from __future__ import annotations
+
+import inspect
+
+import grpc
+import pytest
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from loraswap.engine import errors as engine_errors
+from loraswap.server.transport.errors import ERROR_DOMAIN, INTERNAL_ERROR, status_code_for, to_rpc_status
+
+EXPECTED_CODES = {
+    engine_errors.EngineError: grpc.StatusCode.INTERNAL,
+    engine_errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    engine_errors.AdapterNameError: grpc.StatusCode.INVALID_ARGUMENT,
+    engine_errors.AdapterFormatError: grpc.StatusCode.INVALID_ARGUMENT,
+    engine_errors.AdapterIncompatibleError: grpc.StatusCode.FAILED_PRECONDITION,
+    engine_errors.AdapterNotFoundError: grpc.StatusCode.NOT_FOUND,
+    engine_errors.AdapterTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    engine_errors.HubDisabledError: grpc.StatusCode.FAILED_PRECONDITION,
+    engine_errors.QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    engine_errors.NotServingError: grpc.StatusCode.UNAVAILABLE,
+    engine_errors.GenerationCancelledError: grpc.StatusCode.CANCELLED,
+    engine_errors.GenerationFailedError: grpc.StatusCode.INTERNAL,
+}
+
+EXPECTED_REASONS = {
+    engine_errors.EngineError: "ENGINE_ERROR",
+    engine_errors.InvalidRequestError: "INVALID_REQUEST",
+    engine_errors.AdapterNameError: "INVALID_ADAPTER_NAME",
+    engine_errors.AdapterNotFoundError: "ADAPTER_NOT_FOUND",
+    engine_errors.AdapterFormatError: "ADAPTER_MALFORMED",
+    engine_errors.AdapterIncompatibleError: "ADAPTER_INCOMPATIBLE",
+    engine_errors.AdapterTooLargeError: "ADAPTER_TOO_LARGE",
+    engine_errors.HubDisabledError: "HUB_DISABLED",
+    engine_errors.QueueFullError: "QUEUE_FULL",
+    engine_errors.NotServingError: "NOT_SERVING",
+    engine_errors.GenerationCancelledError: "CANCELLED",
+    engine_errors.GenerationFailedError: "GENERATION_FAILED",
+}
+
+ALL_ERRORS = sorted(
+    (
+        cls
+        for _, cls in inspect.getmembers(engine_errors, inspect.isclass)
+        if issubclass(cls, engine_errors.EngineError)
+    ),
+    key=lambda cls: cls.__name__,
+)
+
+
+def _decode(status: grpc.Status) -> tuple[status_pb2.Status, list[error_details_pb2.ErrorInfo]]:
+    (binary,) = [value for key, value in status.trailing_metadata if key == "grpc-status-details-bin"]
+    decoded = status_pb2.Status.FromString(binary)
+    infos = []
+    for detail in decoded.details:
+        info = error_details_pb2.ErrorInfo()
+        assert detail.Unpack(info), f"detail {detail.type_url} is not an ErrorInfo"
+        infos.append(info)
+    return decoded, infos
+
+
+def test_every_engine_error_is_in_this_table() -> None:
+    """A new EngineError subclass must be given its expected status here."""
+    assert set(ALL_ERRORS) == set(EXPECTED_CODES) == set(EXPECTED_REASONS)
+
+
+@pytest.mark.parametrize("error_class", ALL_ERRORS, ids=lambda cls: cls.__name__)
+def test_status_for_each_error(error_class: type[engine_errors.EngineError]) -> None:
+    error = error_class("do this next", adapter="owner/name", rank=32)
+    expected_code = EXPECTED_CODES[error_class]
+    assert status_code_for(error) is expected_code
+
+    status = to_rpc_status(error)
+    assert status.code is expected_code
+    assert status.details == "do this next"
+    decoded, infos = _decode(status)
+    assert decoded.code == getattr(code_pb2, expected_code.name) == expected_code.value[0]
+    assert decoded.message == "do this next"
+    (info,) = infos
+    assert info.domain == ERROR_DOMAIN == "loraswap"
+    assert info.reason == EXPECTED_REASONS[error_class]
+    assert dict(info.metadata) == {"adapter": "owner/name", "rank": "32"}
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "reason", "metadata"),
+    [
+        (engine_errors.AdapterFormatError("pickle", reason="ADAPTER_PICKLE_REFUSED"),
+         grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_PICKLE_REFUSED", {}),
+        (engine_errors.AdapterIncompatibleError("rank", reason="ADAPTER_RANK_TOO_HIGH", rank=128, max_rank=64),
+         grpc.StatusCode.FAILED_PRECONDITION, "ADAPTER_RANK_TOO_HIGH", {"rank": "128", "max_rank": "64"}),
+        (engine_errors.InvalidRequestError("bad", field="width"),
+         grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", {"field": "width"}),
+        (INTERNAL_ERROR, grpc.StatusCode.INTERNAL, "INTERNAL", {}),
+    ],
+)  # fmt: skip
+def test_reason_overrides_and_metadata(error, code: grpc.StatusCode, reason: str, metadata: dict) -> None:
+    status = to_rpc_status(error)
+    assert status.code is code
+    _, (info,) = _decode(status)
+    assert info.reason == reason
+    assert dict(info.metadata) == metadata
+
+
+def test_subclass_takes_its_nearest_ancestor_code() -> None:
+    class SlotBusyError(engine_errors.AdapterIncompatibleError):
+        reason = "SLOT_BUSY"
+
+    class Unlisted(engine_errors.EngineError):
+        pass
+
+    assert status_code_for(SlotBusyError("x")) is grpc.StatusCode.FAILED_PRECONDITION
+    assert status_code_for(Unlisted("x")) is grpc.StatusCode.INTERNAL
+    _, (info,) = _decode(to_rpc_status(SlotBusyError("x")))
+    assert info.reason == "SLOT_BUSY"
+
+
+def test_reasons_are_upper_snake_case() -> None:
+    for error_class in ALL_ERRORS:
+        reason = error_class.reason
+        assert reason == reason.upper() and reason.replace("_", "").isalnum(), reason

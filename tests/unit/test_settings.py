@@ -1,0 +1,164 @@
+"""`loraswap serve` settings: flags, their LORASWAP_* environment twins, and which one wins."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from loraswap.engine.config import DEFAULT_ADAPTER_CACHE_BYTES, DEFAULT_MAX_ADAPTER_BYTES, EngineConfig
+from loraswap.server.config import Settings, add_serve_arguments, settings_from_args
+
+
+def _settings(argv: list[str], environ: dict[str, str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, environ={} if environ is None else environ)
+    return settings_from_args(parser.parse_args(argv))
+
+
+def _engine(**changes) -> EngineConfig:
+    return EngineConfig(**changes)
+
+
+# flag, its environment variable, the text given to either, and the Settings it must produce
+OPTIONS = [
+    ("--model", "LORASWAP_MODEL", "tiny-sdxl", Settings(engine=_engine(model="tiny-sdxl"))),
+    ("--host", "LORASWAP_HOST", "127.0.0.1", Settings(engine=_engine(), host="127.0.0.1")),
+    ("--port", "LORASWAP_PORT", "0", Settings(engine=_engine(), port=0)),
+    ("--adapter-dir", "LORASWAP_ADAPTER_DIR", "/srv/adapters",
+     Settings(engine=_engine(adapter_dir=Path("/srv/adapters")))),
+    ("--max-rank", "LORASWAP_MAX_RANK", "128", Settings(engine=_engine(max_rank=128))),
+    ("--target-modules", "LORASWAP_TARGET_MODULES", "to_q, to_k,,to_out.0",
+     Settings(engine=_engine(target_modules=("to_q", "to_k", "to_out.0")))),
+    ("--compile-backend", "LORASWAP_COMPILE_BACKEND", "aot_eager",
+     Settings(engine=_engine(compile_backend="aot_eager"))),
+    ("--device", "LORASWAP_DEVICE", "cuda:1", Settings(engine=_engine(device="cuda:1"))),
+    ("--dtype", "LORASWAP_DTYPE", "bfloat16", Settings(engine=_engine(dtype="bfloat16"))),
+    ("--max-adapter-bytes", "LORASWAP_MAX_ADAPTER_BYTES", "1000", Settings(engine=_engine(max_adapter_bytes=1000))),
+    ("--adapter-cache-bytes", "LORASWAP_ADAPTER_CACHE_BYTES", "2000",
+     Settings(engine=_engine(adapter_cache_bytes=2000))),
+    ("--max-queue", "LORASWAP_MAX_QUEUE", "3", Settings(engine=_engine(max_queue=3))),
+    ("--max-size", "LORASWAP_MAX_SIZE", "512", Settings(engine=_engine(max_size=512))),
+    ("--torch-threads", "LORASWAP_TORCH_THREADS", "2", Settings(engine=_engine(torch_threads=2))),
+    ("--grace-seconds", "LORASWAP_GRACE_SECONDS", "2.5", Settings(engine=_engine(), grace_seconds=2.5)),
+    ("--log-level", "LORASWAP_LOG_LEVEL", "DEBUG", Settings(engine=_engine(), log_level="DEBUG")),
+]  # fmt: skip
+
+# on/off switches: --x / --no-x, and LORASWAP_X=true/false
+SWITCHES = [
+    ("compile", "LORASWAP_COMPILE", "compile"),
+    ("allow-hub", "LORASWAP_ALLOW_HUB", "allow_hub"),
+    ("strict-adapters", "LORASWAP_STRICT_ADAPTERS", "strict_adapters"),
+]
+
+
+def test_defaults() -> None:
+    settings = _settings([])
+    assert settings == Settings(engine=EngineConfig())
+    assert settings.engine.compile is None  # decided by the device later, not forced on or off
+    assert (settings.port, settings.host, settings.grace_seconds) == (50051, "[::]", 30.0)
+    assert settings.engine.max_adapter_bytes == DEFAULT_MAX_ADAPTER_BYTES
+    assert settings.engine.adapter_cache_bytes == DEFAULT_ADAPTER_CACHE_BYTES
+
+
+def test_every_flag_is_covered_here() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, environ={})
+    flags = {option for action in parser._actions for option in action.option_strings} - {"-h", "--help"}
+    covered = (
+        {flag for flag, *_ in OPTIONS}
+        | {f"--{name}" for name, *_ in SWITCHES}
+        | {f"--no-{name}" for name, *_ in SWITCHES}
+    )
+    assert flags == covered
+
+
+@pytest.mark.parametrize(("flag", "env", "text", "expected"), OPTIONS, ids=[o[0] for o in OPTIONS])
+def test_flag(flag: str, env: str, text: str, expected: Settings) -> None:
+    assert _settings([flag, text]) == expected
+
+
+@pytest.mark.parametrize(("flag", "env", "text", "expected"), OPTIONS, ids=[o[1] for o in OPTIONS])
+def test_environment_sets_the_default(flag: str, env: str, text: str, expected: Settings) -> None:
+    assert _settings([], {env: text}) == expected
+
+
+@pytest.mark.parametrize(("flag", "env", "text", "expected"), OPTIONS, ids=[o[0] for o in OPTIONS])
+def test_flag_overrides_environment(flag: str, env: str, text: str, expected: Settings) -> None:
+    other = {"--port": "7", "--max-rank": "8", "--max-adapter-bytes": "9", "--adapter-cache-bytes": "9",
+             "--max-queue": "9", "--max-size": "9", "--torch-threads": "9", "--grace-seconds": "9.0"}  # fmt: skip
+    assert _settings([flag, text], {env: other.get(flag, "from-environment")}) == expected
+
+
+@pytest.mark.parametrize(("name", "env", "field"), SWITCHES, ids=[s[0] for s in SWITCHES])
+@pytest.mark.parametrize(
+    ("argv_form", "env_value", "expected"),
+    [
+        ("--{}", None, True),
+        ("--no-{}", None, False),
+        (None, "true", True),
+        (None, "1", True),
+        (None, "yes", True),
+        (None, "On", True),
+        (None, "false", False),
+        (None, "0", False),
+        (None, "no", False),
+        (None, " OFF ", False),
+        ("--no-{}", "true", False),  # the flag wins
+        ("--{}", "false", True),
+    ],
+)
+def test_switch(name: str, env: str, field: str, argv_form: str | None, env_value: str | None, expected: bool):
+    argv = [argv_form.format(name)] if argv_form else []
+    environ = {env: env_value} if env_value is not None else {}
+    assert getattr(_settings(argv, environ).engine, field) is expected
+
+
+def test_switch_defaults() -> None:
+    engine = _settings([]).engine
+    assert (engine.compile, engine.allow_hub, engine.strict_adapters) == (None, False, False)
+
+
+@pytest.mark.parametrize(
+    "environ", [{"LORASWAP_COMPILE": "maybe"}, {"LORASWAP_PORT": "fifty"}, {"LORASWAP_GRACE_SECONDS": "soon"}]
+)
+def test_bad_environment_value_is_refused(environ: dict[str, str]) -> None:
+    with pytest.raises((ValueError, argparse.ArgumentTypeError)):
+        _settings([], environ)
+
+
+def test_explicit_environ_ignores_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORASWAP_PORT", "1234")
+    assert _settings([], {}).port == 50051
+
+
+def test_process_environment_is_the_default_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORASWAP_PORT", "1234")
+    monkeypatch.setenv("LORASWAP_ALLOW_HUB", "true")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    settings = settings_from_args(parser.parse_args([]))
+    assert (settings.port, settings.engine.allow_hub) == (1234, True)
+
+
+def test_unrelated_environment_is_ignored() -> None:
+    assert _settings([], {"PORT": "1", "LORASWAP_UNKNOWN": "x", "loraswap_port": "2"}) == _settings([])
+
+
+def test_help_names_each_environment_variable() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, environ={})
+    helps = {option: action.help for action in parser._actions for option in action.option_strings}
+    for flag, env, *_ in OPTIONS:
+        assert helps[flag].endswith(f"[env {env}]")
+    for name, env, _ in SWITCHES:
+        assert helps[f"--{name}"].endswith(f"[env {env}]")
+
+
+def test_settings_are_frozen() -> None:
+    settings = _settings([])
+    with pytest.raises(AttributeError):
+        settings.port = 1  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        settings.engine.max_rank = 1  # type: ignore[misc]

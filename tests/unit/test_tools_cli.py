@@ -1,0 +1,35 @@
+"""`loraswap make-adapter` and `loraswap export-model` write files plain diffusers loads."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from diffusers import FluxPipeline, StableDiffusionXLPipeline
+
+from loraswap.cli import main
+
+
+def test_export_model_then_make_adapter_load_in_plain_diffusers(tmp_path, capsys):
+    assert main(["export-model", "tiny-flux", str(tmp_path / "model")]) == 0
+    assert main(["make-adapter", "--model", str(tmp_path / "model"), "--rank", "8", "-o", str(tmp_path / "a")]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["rank"] == 8
+    pipe = FluxPipeline.from_pretrained(tmp_path / "model")
+    pipe.load_lora_weights(str(tmp_path / "a"))
+    lora_a = pipe.transformer.transformer_blocks[0].attn.to_q.lora_A["default_0"].weight
+    assert lora_a.shape == (8, pipe.transformer.config.num_attention_heads * pipe.transformer.config.attention_head_dim)
+    assert lora_a.abs().sum() > 0
+
+
+def test_make_adapter_for_builtin_sdxl(tmp_path):
+    assert main(["make-adapter", "--model", "tiny-sdxl", "--rank", "4", "--target-modules", "to_q,to_v",
+                 "-o", str(tmp_path / "s")]) == 0  # fmt: skip
+    from loraswap.engine.models import build_builtin_pipeline
+
+    pipe = build_builtin_pipeline("tiny-sdxl")
+    assert isinstance(pipe, StableDiffusionXLPipeline)
+    pipe.load_lora_weights(str(tmp_path / "s"))
+    targeted = {name for name, module in pipe.unet.named_modules() if hasattr(module, "lora_A") and module.lora_A}
+    assert targeted and all(name.endswith(("to_q", "to_v")) for name in targeted)
+    assert torch.is_tensor(next(iter(pipe.unet.parameters())))
