@@ -83,7 +83,7 @@ class DiffusionEngine:
             adapter = entry.adapter
             warnings += adapter.warnings
             self._cache.record_use(params.adapter)
-        if params.negative_prompt and runtime.family is ModelFamily.FLUX:
+        if params.negative_prompt and runtime.family is ModelFamily.FLUX and not runtime.uses_true_cfg:
             warnings += ("negative_prompt is ignored: this Flux pipeline runs without true classifier-free guidance",)
 
         loop = asyncio.get_running_loop()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from loraswap.engine.adapters.canonical import CanonicalAdapter, SlotSpec
-from loraswap.engine.adapters.slot import SLOT_ADAPTER_NAME, HotswapSlot
+from loraswap.engine.adapters.slot import HotswapSlot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.errors import GenerationCancelledError, InvalidRequestError
 from loraswap.engine.types import (
@@ -67,6 +67,8 @@ class ModelDefaults:
     num_inference_steps: int
     guidance_scale: float
     max_sequence_length: int | None = None
+    # Flux: > 1 runs true classifier-free guidance against the negative prompt ("" when unset).
+    true_cfg_scale: float = 1.0
 
 
 def _defaults_for(model: str, pipe) -> ModelDefaults:
@@ -89,6 +91,7 @@ def _defaults_for(model: str, pipe) -> ModelDefaults:
         num_inference_steps=values["num_inference_steps"],
         guidance_scale=values["guidance_scale"],
         max_sequence_length=values.get("max_sequence_length"),
+        true_cfg_scale=values.get("true_cfg_scale", 1.0),
     )
 
 
@@ -195,7 +198,7 @@ class DiffusionRuntime:
         self.denoiser = self.pipe.transformer if self.family is ModelFamily.FLUX else self.pipe.unet
         patterns = config.target_modules or DEFAULT_TARGET_MODULES[self.family]
         self.target_layers = resolve_target_layers(self.denoiser, tuple(patterns))
-        self.slot = self._install_slot()
+        self.slot = HotswapSlot.install(self.denoiser, self.target_layers, config.max_rank, self.dtype, self.device)
         if self.compiled:
             self._backend = _CountingBackend(config.compile_backend)
             self.denoiser.compile(backend=self._backend)
@@ -210,22 +213,6 @@ class DiffusionRuntime:
         )  # fmt: skip
 
     # -- start-up ---------------------------------------------------------------------------------
-
-    def _install_slot(self) -> HotswapSlot:
-        """Enable hotswap at max rank and load a zero-effect placeholder covering every target layer."""
-        rank = self.config.max_rank
-        if hasattr(self.denoiser, "enable_lora_hotswap"):
-            self.denoiser.enable_lora_hotswap(target_rank=rank)
-        placeholder = {}
-        for name in self.target_layers:
-            layer = self.denoiser.get_submodule(name)
-            # Fresh tensors for every key: diffusers may keep the very tensors it is given.
-            placeholder[f"{name}.lora_A.weight"] = torch.zeros(rank, layer.in_features, dtype=self.dtype)
-            placeholder[f"{name}.lora_B.weight"] = torch.zeros(layer.out_features, rank, dtype=self.dtype)
-        self.denoiser.load_lora_adapter(placeholder, prefix=None, adapter_name=SLOT_ADAPTER_NAME)
-        self.denoiser.to(self.device)
-        self.denoiser.requires_grad_(False)
-        return HotswapSlot(self.denoiser, self.target_layers, rank)
 
     def _warm_up(self) -> None:
         """Run the pipeline at two different shapes, so compiled graphs come out shape-generic.
@@ -257,6 +244,11 @@ class DiffusionRuntime:
         return 8
 
     @property
+    def uses_true_cfg(self) -> bool:
+        """Whether this Flux model runs true classifier-free guidance (and so reads negative prompts)."""
+        return self.family is ModelFamily.FLUX and self.defaults.true_cfg_scale > 1.0
+
+    @property
     def recompilations(self) -> int:
         """Graphs compiled since warm-up finished (0 when not compiled)."""
         if self._backend is None:
@@ -265,19 +257,7 @@ class DiffusionRuntime:
 
     def slot_spec(self) -> SlotSpec:
         """What adapters must fit to be swapped into this runtime's slot."""
-        shapes = {}
-        for name in self.target_layers:
-            layer = self.denoiser.get_submodule(name).base_layer
-            shapes[name] = (layer.in_features, layer.out_features)
-        return SlotSpec(
-            family=self.family,
-            layer_shapes=shapes,
-            max_rank=self.config.max_rank,
-            dtype=self.dtype,
-            device=self.device,
-            denoiser_config=self.denoiser.config,  # diffusers' FrozenDict: its converters read attributes
-            strict=self.config.strict_adapters,
-        )
+        return self.slot.spec(self.family, self.dtype, self.device, strict=self.config.strict_adapters)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -400,6 +380,9 @@ class DiffusionRuntime:
         )
         if self.family is ModelFamily.SDXL:
             kwargs["negative_prompt"] = params.negative_prompt or None
+        elif self.uses_true_cfg:
+            kwargs["true_cfg_scale"] = self.defaults.true_cfg_scale
+            kwargs["negative_prompt"] = params.negative_prompt
         if self.defaults.max_sequence_length is not None:
             kwargs["max_sequence_length"] = self.defaults.max_sequence_length
         return kwargs

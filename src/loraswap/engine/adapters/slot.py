@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraswap.engine.adapters.canonical import CanonicalAdapter
+from loraswap.engine.adapters.canonical import CanonicalAdapter, SlotSpec
+from loraswap.engine.types import ModelFamily
 
 SLOT_ADAPTER_NAME = "loraswap_slot"
 
@@ -32,8 +33,32 @@ class _LiveLayer:
 class HotswapSlot:
     """In-place writer of canonical adapters into the live LoRA weights. Worker thread only."""
 
+    @classmethod
+    def install(
+        cls,
+        denoiser: torch.nn.Module,
+        layer_names: list[str],
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> HotswapSlot:
+        """Enable hotswap at max rank and load a zero-effect placeholder on every layer; before any compile."""
+        if hasattr(denoiser, "enable_lora_hotswap"):
+            denoiser.enable_lora_hotswap(target_rank=max_rank)
+        placeholder = {}
+        for name in layer_names:
+            layer = denoiser.get_submodule(name)
+            # Fresh tensors for every key: diffusers may keep the very tensors it is given.
+            placeholder[f"{name}.lora_A.weight"] = torch.zeros(max_rank, layer.in_features, dtype=dtype)
+            placeholder[f"{name}.lora_B.weight"] = torch.zeros(layer.out_features, max_rank, dtype=dtype)
+        denoiser.load_lora_adapter(placeholder, prefix=None, adapter_name=SLOT_ADAPTER_NAME)
+        denoiser.to(device)
+        denoiser.requires_grad_(False)
+        return cls(denoiser, layer_names, max_rank)
+
     def __init__(self, denoiser: torch.nn.Module, layer_names: list[str], max_rank: int) -> None:
         self.max_rank = max_rank
+        self._denoiser = denoiser
         self._layers: dict[str, _LiveLayer] = {}
         for name in layer_names:
             module = denoiser.get_submodule(name)
@@ -49,6 +74,22 @@ class HotswapSlot:
     @property
     def layer_names(self) -> list[str]:
         return list(self._layers)
+
+    def spec(self, family: ModelFamily, dtype: torch.dtype, device: torch.device, *, strict: bool = False) -> SlotSpec:
+        """What an adapter must fit to be loaded into this slot."""
+        shapes = {}
+        for name in self._layers:
+            layer = self._denoiser.get_submodule(name).base_layer
+            shapes[name] = (layer.in_features, layer.out_features)
+        return SlotSpec(
+            family=family,
+            layer_shapes=shapes,
+            max_rank=self.max_rank,
+            dtype=dtype,
+            device=device,
+            denoiser_config=self._denoiser.config,  # diffusers' FrozenDict: its converters read attributes
+            strict=strict,
+        )
 
     def is_resident(self, adapter: CanonicalAdapter | None, scale: float) -> bool:
         """True when the slot already holds exactly this adapter object at this strength."""
