@@ -65,3 +65,73 @@ def test_exported_model_folder_serves_the_same_images_as_the_builtin(exported_mo
         max_sequence_length=32, generator=torch.Generator("cpu").manual_seed(3),
     ).images[0]  # fmt: skip
     assert_images_close(decode(exported_image.data), np.asarray(expected.convert("RGB")).astype(np.int32))
+
+
+def _generate_in_background(port: int, steps: int, seed: int):
+    """Run a generation on its own thread; returns (thread, result dict, first-step event)."""
+    import threading
+
+    from loraswap.client import LoraswapError, Progress
+
+    result: dict = {}
+    first_step = threading.Event()
+
+    def run():
+        try:
+            with LoraswapClient(f"127.0.0.1:{port}", default_timeout=120) as client:
+                for event in client.generate("drain me", seed=seed, num_inference_steps=steps):
+                    if isinstance(event, Progress):
+                        first_step.set()
+                    result["last"] = event
+        except LoraswapError as error:
+            result["error"] = error
+        finally:
+            first_step.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result, first_step
+
+
+def test_sigterm_drains_running_and_queued_work_then_exits_0():
+    from loraswap.client import GeneratedImage, LoraswapError
+
+    process, port = start_serve("--no-compile", "--grace-seconds", "60")
+    try:
+        running_thread, running, first_step = _generate_in_background(port, steps=150, seed=1)
+        first_step.wait(30)
+        queued_thread, queued, _ = _generate_in_background(port, steps=5, seed=2)
+        import time
+
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with LoraswapClient(f"127.0.0.1:{port}", default_timeout=10, wait_for_ready=False) as late:
+            try:
+                late.generate_image("too late", seed=3, num_inference_steps=2)
+                raise AssertionError("a call after SIGTERM was served")
+            except LoraswapError as error:
+                assert error.code.name == "UNAVAILABLE"
+        running_thread.join(60)
+        queued_thread.join(60)
+        assert isinstance(running.get("last"), GeneratedImage), running
+        assert isinstance(queued.get("last"), GeneratedImage), queued
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_sigterm_past_the_grace_fails_the_rest_with_unavailable_and_exits_0():
+    process, port = start_serve("--no-compile", "--grace-seconds", "0.3")
+    try:
+        thread, outcome, first_step = _generate_in_background(port, steps=200, seed=1)
+        first_step.wait(30)
+        process.send_signal(signal.SIGTERM)
+        thread.join(60)
+        error = outcome.get("error")
+        assert error is not None and (error.code.name, error.reason) == ("UNAVAILABLE", "SHUTTING_DOWN"), outcome
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -201,21 +203,27 @@ class AsyncLoraswapClient:
             negative_prompt=negative_prompt,
             image_format=image_format,
         )
-        call = self._service().Generate(request, timeout=self._deadline(timeout), wait_for_ready=self.wait_for_ready)
-        try:
-            while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
-                    return
-                event = event_from_pb(response)
-                if event is not None:
-                    yield event
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
-        finally:
-            # A no-op when the stream finished; otherwise the consumer walked
-            # away or was cancelled, and the server should stop working.
-            call.cancel()
+        deadline = _Deadline(self._deadline(timeout))
+        while True:
+            call = self._service().Generate(request, timeout=deadline.remaining(), wait_for_ready=self.wait_for_ready)
+            received = False
+            try:
+                while True:
+                    response = await call.read()
+                    if response is grpc.aio.EOF:
+                        return
+                    received = True
+                    event = event_from_pb(response)
+                    if event is not None:
+                        yield event
+            except grpc.aio.AioRpcError as exc:
+                error = error_from_rpc(exc)
+                if received or not await self._wait_while_starting(error, deadline):
+                    raise error from exc
+            finally:
+                # A no-op when the stream finished; otherwise the consumer walked
+                # away or was cancelled, and the server should stop working.
+                call.cancel()
 
     async def generate_image(
         self,
@@ -298,10 +306,45 @@ class AsyncLoraswapClient:
         request: object,
         timeout: Timeout,
     ) -> _Result:
-        try:
-            return await method(request, timeout=self._deadline(timeout), wait_for_ready=self.wait_for_ready)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+        deadline = _Deadline(self._deadline(timeout))
+        while True:
+            try:
+                return await method(request, timeout=deadline.remaining(), wait_for_ready=self.wait_for_ready)
+            except grpc.aio.AioRpcError as exc:
+                error = error_from_rpc(exc)
+                if not await self._wait_while_starting(error, deadline):
+                    raise error from exc
+
+    async def _wait_while_starting(self, error: LoraswapError, deadline: _Deadline) -> bool:
+        """With wait_for_ready, a server still loading its model (UNAVAILABLE, NOT_SERVING) is waited for.
+
+        gRPC's own wait_for_ready only waits for a connection; a loraswap server
+        accepts connections while it warms up, so the client waits for SERVING here.
+        Returns True when the call should be retried.
+        """
+        if not (self.wait_for_ready and error.code == grpc.StatusCode.UNAVAILABLE and error.reason == "NOT_SERVING"):
+            return False
+        pause = deadline.next_pause()
+        remaining = deadline.remaining()
+        if remaining is not None and remaining <= pause:
+            return False
+        await asyncio.sleep(pause)
+        return True
+
+
+class _Deadline:
+    """A call's overall deadline, shared by its retries, and the growing pause between them."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self._ends_at = None if timeout is None else time.monotonic() + timeout
+        self._pause_s = 0.1
+
+    def next_pause(self) -> float:
+        pause, self._pause_s = self._pause_s, min(self._pause_s * 1.5, 2.0)
+        return pause
+
+    def remaining(self) -> float | None:
+        return None if self._ends_at is None else max(0.0, self._ends_at - time.monotonic())
 
 
 def missing_image_error() -> LoraswapError:

@@ -27,6 +27,7 @@ class EngineConfig:
     max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES
     adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES
     max_queue: int = 64
+    max_bypass: int = 4  # times a waiting request may be passed over for one using the resident adapter
     max_size: int = 2048
     torch_threads: int | None = None  # None: the cores this process may use
     warmup: bool = True

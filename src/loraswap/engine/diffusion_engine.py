@@ -42,7 +42,7 @@ class DiffusionEngine:
         )
         self._loader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraswap-loader")
         self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool)
-        self._scheduler = GenerationScheduler(lambda: DiffusionRuntime(config), config.max_queue)
+        self._scheduler = GenerationScheduler(lambda: DiffusionRuntime(config), config.max_queue, config.max_bypass)
         self._runtime: DiffusionRuntime | None = None
         self._slot_spec: SlotSpec | None = None
 
@@ -62,6 +62,25 @@ class DiffusionEngine:
     def stop_accepting(self) -> None:
         """New generations are refused with NotServingError; queued ones still run."""
         self._scheduler.stop_accepting()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for queued and running generations to finish; True if they did."""
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + timeout
+        while not self._scheduler.is_idle():
+            if loop.time() >= ends_at:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def abort_all(self, message: str) -> None:
+        """Fail every queued and running generation with NotServingError(message)."""
+        self._scheduler.abort_all(NotServingError(message, reason="SHUTTING_DOWN"))
+
+    @property
+    def swaps(self) -> int:
+        """Adapter changes the worker has made since start-up."""
+        return self._scheduler.swaps
 
     async def stop(self, timeout: float | None = None) -> None:
         """Finish the queued work (up to timeout seconds) and end the worker and loader threads."""

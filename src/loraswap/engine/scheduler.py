@@ -36,13 +36,24 @@ class GenerationJob:
     enqueued_at: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     position: int = 0
+    times_bypassed: int = 0
+    abort_error: EngineError | None = None  # sent instead of CANCELLED when the server aborts the job
 
 
 class GenerationScheduler:
-    """Bounded FIFO queue in front of the single worker thread that builds and runs the runtime."""
+    """Bounded queue in front of the single worker thread that builds and runs the runtime.
 
-    def __init__(self, runtime_factory: Callable[[], DiffusionRuntime], max_queue: int) -> None:
+    Order: oldest first, except that a waiting job using the adapter already
+    resident in the swap slot may go ahead (no swap needed), as long as no job
+    is passed over more than `max_bypass` times (0: plain FIFO).
+    """
+
+    def __init__(
+        self, runtime_factory: Callable[[], DiffusionRuntime], max_queue: int, max_bypass: int = 4
+    ) -> None:
         self.max_queue = max_queue
+        self.max_bypass = max_bypass
+        self.swaps = 0  # adapter changes the worker made (for benchmarks and tests)
         self.ready: Future[DiffusionRuntime] = Future()
         self._runtime_factory = runtime_factory
         self._cond = threading.Condition()
@@ -88,6 +99,23 @@ class GenerationScheduler:
         with self._cond:
             self._accepting = False
 
+    def is_idle(self) -> bool:
+        """Nothing waits and nothing runs."""
+        with self._cond:
+            return not self._waiting and self._running is None
+
+    def abort_all(self, error: EngineError) -> None:
+        """Fail every waiting job with `error` now, and the running one at its next step boundary."""
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+            running = self._running
+            if running is not None:
+                running.abort_error = error
+                running.cancelled.set()
+        for job in waiting:
+            job.cancelled.set()
+            job.emit(error)
+
     def stop(self, timeout: float | None = None) -> None:
         """Let the worker finish what is queued, then end it."""
         with self._cond:
@@ -103,13 +131,25 @@ class GenerationScheduler:
                 job.position = index
                 job.emit(Queued(position=index))
 
-    def _next_job(self) -> GenerationJob | None:
+    def _pick(self, resident: object) -> int:
+        """Index of the job to run next: see the class docstring."""
+        head = self._waiting[0]
+        if head.adapter is resident or head.times_bypassed >= self.max_bypass:
+            return 0
+        for index, job in enumerate(self._waiting[1:], start=1):
+            if job.adapter is resident:
+                for passed in self._waiting[:index]:
+                    passed.times_bypassed += 1
+                return index
+        return 0
+
+    def _next_job(self, runtime: DiffusionRuntime) -> GenerationJob | None:
         with self._cond:
             while not self._waiting and not self._stopped:
                 self._cond.wait()
             if not self._waiting:
                 return None
-            job = self._waiting.pop(0)
+            job = self._waiting.pop(self._pick(runtime.slot.resident))
             self._running = job
             self._publish_positions()
             return job
@@ -122,7 +162,7 @@ class GenerationScheduler:
             self.ready.set_exception(exc)
             return
         self.ready.set_result(runtime)
-        while (job := self._next_job()) is not None:
+        while (job := self._next_job(runtime)) is not None:
             try:
                 if not job.cancelled.is_set():
                     self._run(runtime, job)
@@ -132,6 +172,8 @@ class GenerationScheduler:
 
     def _run(self, runtime: DiffusionRuntime, job: GenerationJob) -> None:
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
+        if not runtime.slot.is_resident(job.adapter, job.params.adapter_scale):
+            self.swaps += 1
         try:
             image = runtime.generate(
                 job.params,
@@ -142,7 +184,7 @@ class GenerationScheduler:
                 warnings=job.warnings,
             )
         except EngineError as exc:
-            job.emit(exc)
+            job.emit(job.abort_error or exc)
         except Exception as exc:  # a pipeline failure must not take the worker down
             log.exception("generation failed")
             job.emit(GenerationFailedError(f"generation failed ({type(exc).__name__}); the server keeps serving"))

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DiffusionService"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SHUTDOWN_FLUSH_S = 2.0
 
 
 @dataclass
@@ -34,11 +35,17 @@ class RunningServer:
     warming: asyncio.Future | None = None  # set when start_server did not wait for SERVING
 
     async def stop(self, grace: float) -> None:
-        """Health NOT_SERVING, refuse new work, let running calls finish within `grace`, stop."""
+        """Health NOT_SERVING, refuse new work (UNAVAILABLE), let queued and running work finish
+        within `grace` seconds, fail what is left with UNAVAILABLE, then stop."""
         await self.health.enter_graceful_shutdown()
         self.engine.stop_accepting()
-        await self.server.stop(grace)
-        await self.engine.stop(timeout=grace)
+        if not await self.engine.drain(grace):
+            self.engine.abort_all(
+                f"the server is shutting down and its {grace:g} s grace period ran out; retry on another replica"
+            )
+        # A moment for the aborted streams' statuses to reach their clients.
+        await self.server.stop(SHUTDOWN_FLUSH_S)
+        await self.engine.stop(timeout=SHUTDOWN_FLUSH_S)
 
 
 async def start_server(settings: Settings, *, wait_until_serving: bool = True) -> RunningServer:

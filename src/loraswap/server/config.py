@@ -75,6 +75,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     flag("--max-adapter-bytes", DEFAULT_MAX_ADAPTER_BYTES, type=int, help="largest adapter file accepted")
     flag("--adapter-cache-bytes", DEFAULT_ADAPTER_CACHE_BYTES, type=int, help="host-memory budget of the adapter cache")
     flag("--max-queue", 64, type=int, help="most requests that may wait")
+    flag("--max-bypass", 4, type=int, help="times a request may be passed over for one needing no swap (0: FIFO)")
     flag("--max-size", 2048, type=int, help="largest width or height accepted")
     flag("--torch-threads", None, type=int, help="torch CPU threads (default: the cores this process may use)")
     flag("--grace-seconds", 30.0, type=float, help="how long running work may finish on SIGTERM")
@@ -99,6 +100,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             max_adapter_bytes=args.max_adapter_bytes,
             adapter_cache_bytes=args.adapter_cache_bytes,
             max_queue=args.max_queue,
+            max_bypass=args.max_bypass,
             max_size=args.max_size,
             torch_threads=args.torch_threads,
         ),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import string
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +31,6 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -41,8 +39,11 @@ from transformers import (
     PreTrainedModel,
     T5Config,
     T5EncoderModel,
-    T5TokenizerFast,
 )
+
+from loraswap.engine.models.tokenizers import CLIP_MAX_LENGTH as _CLIP_MAX_LENGTH
+from loraswap.engine.models.tokenizers import build_clip_tokenizer as _build_clip_tokenizer
+from loraswap.engine.models.tokenizers import build_t5_tokenizer as _build_t5_tokenizer
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -67,72 +68,6 @@ GENERATION_DEFAULTS_FILE = "loraswap_generation.json"
 TINY_SIZE_MULTIPLE: dict[str, int] = {"tiny-flux": 4, "tiny-sdxl": 2}
 
 _SEED = 0
-_CLIP_MAX_LENGTH = 77
-_BOS = "<|startoftext|>"
-_EOS = "<|endoftext|>"
-
-
-# --------------------------------------------------------------------------- tokenizers
-
-
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2/CLIP byte-to-printable-character table, in byte order."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    mapping: dict[int, int] = {b: b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = 256 + extra
-            extra += 1
-    return [chr(mapping[b]) for b in range(256)]
-
-
-def _clip_vocab() -> dict[str, int]:
-    # Same layout as the real CLIP vocab (bytes, then bytes + "</w>", then the
-    # specials) minus all merges, so every byte sequence is representable.
-    chars = _bytes_to_unicode()
-    tokens = chars + [c + "</w>" for c in chars] + [_BOS, _EOS]
-    return {tok: i for i, tok in enumerate(tokens)}
-
-
-def _build_clip_tokenizer() -> CLIPTokenizer:
-    # transformers 5 builds the BPE backend straight from an in-memory vocab;
-    # no merges means every (byte-level) character is its own token.
-    return CLIPTokenizer(vocab=_clip_vocab(), merges=[], model_max_length=_CLIP_MAX_LENGTH)
-
-
-def _t5_vocab() -> list[tuple[str, float]]:
-    chars = [c for c in string.printable if not c.isspace()]
-    # Equal scores make Unigram prefer the single "▁x" piece over "▁" + "x".
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [(c, -3.0) for c in chars]
-    pieces += [("▁" + c, -3.0) for c in chars]
-    return pieces
-
-
-def _build_t5_tokenizer() -> T5TokenizerFast:
-    backend = Tokenizer(models.Unigram(_t5_vocab(), unk_id=2, byte_fallback=False))
-    # Same pre-tokenisation/decoding as transformers' own T5 tokenizer, so a
-    # save/load round trip rebuilds an identical tokenizer.
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.WhitespaceSplit(),
-            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
-        ]
-    )
-    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    return T5TokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        extra_ids=0,
-        model_max_length=512,  # as FLUX's T5 tokenizer; the pipeline truncates itself
-    )
 
 
 # --------------------------------------------------------------------------- components

@@ -1,0 +1,364 @@
+"""Full-size random-weight denoisers: the real SDXL UNet and FLUX.1-dev transformer, nothing downloaded.
+
+Swap costs depend on layer shapes, not on what the weights say, so a denoiser
+built from the published config with random weights measures adapter swaps on
+any machine exactly as the real checkpoint would. The configs are bundled
+here as dicts (copied from ``stabilityai/stable-diffusion-xl-base-1.0``
+``unet/config.json`` and ``black-forest-labs/FLUX.1-dev``
+``transformer/config.json``).
+
+Construction is fast: modules are built on the meta device, cast to the
+target dtype there, materialised with ``to_empty`` and filled in place from a
+seeded generator (normal(0, 0.02) for matrices, 1 for norm scales, 0 for
+biases). The full SDXL UNet (2.6 B parameters) thus never exists in float32.
+
+The pipelines around the denoisers are *not* full size: text encoders, VAE
+and tokenizers are tiny random ones whose output widths match what the full
+denoiser reads (CLIP 768 + 1280 for SDXL's 2048-wide cross-attention, T5
+4096 and CLIP 768 for Flux), and the VAE keeps the real downscale factor of 8
+and latent channels (4 for SDXL, 16 for Flux). Only the denoiser's cost and
+shapes are real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    ModelMixin,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, PreTrainedModel, T5Config, T5EncoderModel
+
+from loraswap.engine.models.tiny import (
+    GENERATION_DEFAULTS_FILE,
+    _build_clip_tokenizer,
+    _build_t5_tokenizer,
+    _clip_text_config,
+    _private_rng,
+    _seeded,
+)
+
+__all__ = [
+    "FLUX_FULL_DEPTH",
+    "RANDOM_FULL_MODELS",
+    "RANDOM_FULL_SIZE_MULTIPLE",
+    "build_random_denoiser",
+    "build_random_pipeline",
+    "export_random_model",
+    "flux_depth",
+    "random_full_defaults",
+]
+
+RANDOM_FULL_MODELS: tuple[str, ...] = ("random-flux", "random-sdxl")
+
+# stabilityai/stable-diffusion-xl-base-1.0, unet/config.json (2,567,463,684 parameters).
+SDXL_UNET_CONFIG: dict[str, Any] = {
+    "act_fn": "silu",
+    "addition_embed_type": "text_time",
+    "addition_embed_type_num_heads": 64,
+    "addition_time_embed_dim": 256,
+    "attention_head_dim": [5, 10, 20],
+    "block_out_channels": [320, 640, 1280],
+    "center_input_sample": False,
+    "class_embed_type": None,
+    "class_embeddings_concat": False,
+    "conv_in_kernel": 3,
+    "conv_out_kernel": 3,
+    "cross_attention_dim": 2048,
+    "cross_attention_norm": None,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "downsample_padding": 1,
+    "dual_cross_attention": False,
+    "encoder_hid_dim": None,
+    "encoder_hid_dim_type": None,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "in_channels": 4,
+    "layers_per_block": 2,
+    "mid_block_only_cross_attention": None,
+    "mid_block_scale_factor": 1,
+    "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "norm_eps": 1e-05,
+    "norm_num_groups": 32,
+    "num_attention_heads": None,
+    "num_class_embeds": None,
+    "only_cross_attention": False,
+    "out_channels": 4,
+    "projection_class_embeddings_input_dim": 2816,
+    "resnet_out_scale_factor": 1.0,
+    "resnet_skip_time_act": False,
+    "resnet_time_scale_shift": "default",
+    "sample_size": 128,
+    "time_cond_proj_dim": None,
+    "time_embedding_act_fn": None,
+    "time_embedding_dim": None,
+    "time_embedding_type": "positional",
+    "timestep_post_act": None,
+    "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "upcast_attention": None,
+    "use_linear_projection": True,
+}
+
+# black-forest-labs/FLUX.1-dev, transformer/config.json (11,901,408,320 parameters at full depth).
+FLUX_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "attention_head_dim": 128,
+    "axes_dims_rope": [16, 56, 56],
+    "guidance_embeds": True,
+    "in_channels": 64,
+    "joint_attention_dim": 4096,
+    "num_attention_heads": 24,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "out_channels": None,
+    "patch_size": 1,
+    "pooled_projection_dim": 768,
+}
+# (double-stream blocks, single-stream blocks) of FLUX.1 at full depth.
+FLUX_FULL_DEPTH = (19, 38)
+
+# Height/width multiples: the VAE downscales by 8; Flux packs 2x2 latent patches,
+# SDXL's UNet halves the latent twice.
+RANDOM_FULL_SIZE_MULTIPLE: dict[str, int] = {"random-flux": 16, "random-sdxl": 32}
+
+# Small generation defaults: these models exist to measure swaps and serving
+# overheads on real layer shapes, not to make 1024 px images on a CPU.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "random-flux": dict(width=128, height=128, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32),
+    "random-sdxl": dict(width=128, height=128, num_inference_steps=4, guidance_scale=5.0),
+}
+
+_SEED = 0
+_INIT_STD = 0.02
+
+
+def _check(name: str, layers: int | None) -> None:
+    if name not in RANDOM_FULL_MODELS:
+        raise ValueError(f"unknown random full-size model {name!r}; valid choices: {', '.join(RANDOM_FULL_MODELS)}")
+    if layers is not None and name != "random-flux":
+        raise ValueError(f"layers applies to random-flux only; {name} is always built at full depth")
+    if layers is not None and not 1 <= layers <= FLUX_FULL_DEPTH[0]:
+        raise ValueError(f"layers is {layers}; use 1 to {FLUX_FULL_DEPTH[0]} double-stream blocks, or None for full depth")
+
+
+def flux_depth(layers: int | None) -> tuple[int, int]:
+    """(double-stream, single-stream) blocks for `layers` double-stream blocks; the 1:2 ratio of FLUX.1 is kept."""
+    if layers is None:
+        return FLUX_FULL_DEPTH
+    return layers, min(2 * layers, FLUX_FULL_DEPTH[1])
+
+
+@torch.no_grad()
+def _fill_random(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Initialise every parameter in place: norm scales 1, biases 0, everything else N(0, 0.02)."""
+    norms = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)
+    for submodule in module.modules():
+        is_norm = isinstance(submodule, norms) or type(submodule).__name__ == "RMSNorm"
+        for name, parameter in submodule.named_parameters(recurse=False):
+            if name == "bias":
+                parameter.zero_()
+            elif is_norm:
+                parameter.fill_(1.0)
+            else:
+                parameter.normal_(0.0, _INIT_STD, generator=generator)
+
+
+def build_random_denoiser(name: str, torch_dtype: torch.dtype = torch.bfloat16, layers: int | None = None) -> ModelMixin:
+    """The full-size denoiser of `name` with seeded random weights, built directly in `torch_dtype` on CPU.
+
+    Args:
+        name: ``"random-sdxl"`` (SDXL base 1.0 UNet) or ``"random-flux"`` (FLUX.1-dev transformer).
+        torch_dtype: dtype of every weight; bfloat16 keeps the full SDXL UNet at 5.1 GB.
+        layers: Flux only: double-stream blocks to keep (single-stream blocks: twice that,
+            at most 38); None builds full depth (19 + 38 blocks, about 24 GB in bfloat16).
+
+    Returns:
+        A ``UNet2DConditionModel`` or ``FluxTransformer2DModel`` in eval mode, identical
+        on every call with the same arguments. The caller's RNG state is untouched.
+
+    Raises:
+        ValueError: for an unknown name or a `layers` out of range (or given for SDXL).
+    """
+    _check(name, layers)
+    if name == "random-sdxl":
+        cls, config = UNet2DConditionModel, dict(SDXL_UNET_CONFIG)
+    else:
+        cls, config = FluxTransformer2DModel, dict(FLUX_TRANSFORMER_CONFIG)
+        config["num_layers"], config["num_single_layers"] = flux_depth(layers)
+    with torch.device("meta"):
+        model = cls(**config)
+    # Cast while the weights are still meta (free), then allocate once in the target dtype.
+    model = model.to(dtype=torch_dtype).to_empty(device="cpu")
+    _fill_random(model, torch.Generator("cpu").manual_seed(_SEED))
+    model.register_to_config(_name_or_path=name)
+    return model.eval()
+
+
+def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
+    tokenizer = _build_clip_tokenizer()
+    tokenizer_2 = _build_clip_tokenizer()
+    # Widths the full UNet reads: hidden states 768 + 1280 = cross_attention_dim 2048;
+    # pooled 1280 + 6 * 256 time ids = projection_class_embeddings_input_dim 2816.
+    config_1 = _clip_text_config(tokenizer)
+    config_1.hidden_size, config_1.projection_dim = 768, 768
+    config_2 = _clip_text_config(tokenizer_2)
+    config_2.hidden_size, config_2.projection_dim = 1280, 1280
+    text_encoder = _seeded(lambda: CLIPTextModel(config_1))
+    text_encoder_2 = _seeded(lambda: CLIPTextModelWithProjection(config_2))
+    vae = _seeded(lambda: _tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None))
+    # SDXL base 1.0's scheduler config.
+    scheduler = EulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return dict(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=unet,
+        scheduler=scheduler,
+    )
+
+
+def _flux_components(transformer: ModelMixin) -> dict[str, Any]:
+    tokenizer = _build_clip_tokenizer()
+    tokenizer_2 = _build_t5_tokenizer()
+    config_1 = _clip_text_config(tokenizer)
+    config_1.hidden_size, config_1.projection_dim = 768, 768  # pooled_projection_dim
+    text_encoder = _seeded(lambda: CLIPTextModel(config_1))
+    text_encoder_2 = _seeded(
+        lambda: T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_2),
+                d_model=4096,  # joint_attention_dim
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=32,
+                feed_forward_proj="gated-gelu",
+                dropout_rate=0.0,
+                pad_token_id=tokenizer_2.pad_token_id,
+                eos_token_id=tokenizer_2.eos_token_id,
+                decoder_start_token_id=tokenizer_2.pad_token_id,
+                is_encoder_decoder=False,
+                use_cache=False,
+            )
+        )
+    )
+    vae = _seeded(lambda: _tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159))
+    # FLUX.1-dev's scheduler config.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return dict(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+
+
+def _tiny_vae(*, latent_channels: int, scaling_factor: float, shift_factor: float | None) -> AutoencoderKL:
+    # Four levels give the real VAE's downscale factor of 8 with tiny widths.
+    levels = 4
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=128,
+        use_quant_conv=shift_factor is None,  # SDXL's VAE has quant convs, Flux's has none
+        use_post_quant_conv=shift_factor is None,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+    )
+
+
+def build_random_pipeline(
+    name: str, torch_dtype: torch.dtype = torch.bfloat16, layers: int | None = None
+) -> DiffusionPipeline:
+    """A ``StableDiffusionXLPipeline`` / ``FluxPipeline`` around the full-size random denoiser.
+
+    Text encoders and VAE are tiny random stand-ins (see the module docstring);
+    every component is in `torch_dtype`, on CPU, identical on every call.
+    Height/width must be multiples of :data:`RANDOM_FULL_SIZE_MULTIPLE`.
+
+    Raises:
+        ValueError: as :func:`build_random_denoiser`.
+    """
+    _check(name, layers)
+    denoiser = build_random_denoiser(name, torch_dtype, layers)
+    with _private_rng():
+        if name == "random-sdxl":
+            pipeline_cls, components = StableDiffusionXLPipeline, _sdxl_components(denoiser)
+        else:
+            pipeline_cls, components = FluxPipeline, _flux_components(denoiser)
+    for module in components.values():
+        if isinstance(module, torch.nn.Module) and module is not denoiser:
+            module.to(dtype=torch_dtype)
+    pipe = pipeline_cls(**components)
+    pipe.register_to_config(_name_or_path=name)
+    for module in components.values():
+        if isinstance(module, PreTrainedModel):
+            module.config._name_or_path = name
+        elif isinstance(module, ModelMixin):
+            module.register_to_config(_name_or_path=name)
+    return pipe
+
+
+def random_full_defaults(name: str) -> dict[str, Any]:
+    """Small-image generation defaults for a random full-size model (same keys as ``builtin_defaults``)."""
+    _check(name, None)
+    return dict(_DEFAULTS[name])
+
+
+def export_random_model(
+    name: str,
+    directory: str | os.PathLike[str],
+    torch_dtype: torch.dtype = torch.bfloat16,
+    layers: int | None = None,
+) -> Path:
+    """Write the random full-size pipeline to `directory` as a diffusers folder that serves with ``--model DIR``.
+
+    The generation defaults travel with it in ``loraswap_generation.json``.
+    """
+    _check(name, layers)
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    build_random_pipeline(name, torch_dtype, layers).save_pretrained(path, safe_serialization=True)
+    (path / GENERATION_DEFAULTS_FILE).write_text(json.dumps(random_full_defaults(name), indent=2) + "\n")
+    return path
