@@ -1,0 +1,249 @@
+"""The adapter store through a real server: refusals that change nothing, kohya files, the cache's bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from safetensors.torch import save_file
+
+from loraswap.client import AsyncLoraswapClient, LoraswapError, Progress
+from loraswap.engine.adapters.random_adapter import write_random_adapter
+from loraswap.engine.models import build_builtin_pipeline
+from loraswap.server.app import start_server
+from tests.conftest import DiffusersReference, assert_images_close, decode
+from tests.integration.conftest import server_settings
+from tests.unit.test_kohya_formats import FLUX_SINGLE, _flux_double, _kohya_file
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MAX_ADAPTER_BYTES = 2_000_000
+GOOD = "good"
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    flux = build_builtin_pipeline("tiny-flux")
+    write_random_adapter(flux, root / GOOD, rank=4, seed=1, init_std=0.5)
+    write_random_adapter(flux, root / "other", rank=8, seed=2, init_std=0.5, target_modules=("to_q", "to_v"))
+    write_random_adapter(flux, root / "third", rank=4, seed=8, init_std=0.5, target_modules=("to_q",))
+    write_random_adapter(flux, root / "rank32", rank=32, seed=3)
+    write_random_adapter(flux, root / "outside", rank=4, seed=4, target_modules=("norm1.linear",))
+    write_random_adapter(build_builtin_pipeline("tiny-sdxl"), root / "sdxl-on-flux", rank=4, seed=5)
+    tensors = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 32, dtype=torch.int32),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4, dtype=torch.int32)}
+    save_file(tensors, root / "int-dtype.safetensors")
+    whole = (root / GOOD / "pytorch_lora_weights.safetensors").read_bytes()
+    (root / "truncated.safetensors").write_bytes(whole[: len(whole) // 2])
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 32 * 20_000)},
+              root / "huge.safetensors")
+    (root / "pickled.bin").write_bytes(b"\x80\x04not really a pickle")
+    outside_dir = tmp_path_factory.mktemp("elsewhere")
+    write_random_adapter(flux, outside_dir / "secret", rank=4, seed=6)
+    os.symlink(outside_dir / "secret", root / "escape")
+    (root / "kohya-flux").mkdir()
+    layout = {**_flux_double(0), **_flux_double(1), **FLUX_SINGLE}
+    _kohya_file(root / "kohya-flux" / "pytorch_lora_weights.safetensors",
+                {module: (i, o) for module, (i, o, _) in layout.items()}, rank=4, seed=7)
+    return root  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def store_server(store_dir):
+    running = await start_server(server_settings("tiny-flux", store_dir, max_adapter_bytes=MAX_ADAPTER_BYTES))
+    yield running
+    await running.stop(1.0)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(store_server):
+    async with AsyncLoraswapClient(f"127.0.0.1:{store_server.port}", default_timeout=120) as client:
+        yield client
+
+
+REFUSALS = [
+    ("rank32", grpc.StatusCode.FAILED_PRECONDITION, "ADAPTER_RANK_TOO_HIGH", "--max-rank"),
+    ("outside", grpc.StatusCode.FAILED_PRECONDITION, "ADAPTER_LAYER_NOT_TARGETED", "--target-modules"),
+    ("sdxl-on-flux", grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_NO_DENOISER_LAYERS", "not a LoRA for this flux"),
+    ("int-dtype", grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_BAD_DTYPE", "floating point"),
+    ("truncated", grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_MALFORMED", "safetensors"),
+    ("huge", grpc.StatusCode.RESOURCE_EXHAUSTED, "ADAPTER_TOO_LARGE", "--max-adapter-bytes"),
+    ("pickled", grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_PICKLE_REFUSED", "safetensors only"),
+    ("escape", grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ADAPTER_NAME", "outside the adapter directory"),
+    ("hf:owner/repo", grpc.StatusCode.FAILED_PRECONDITION, "HUB_DISABLED", "--allow-hub"),
+]
+
+
+@pytest.mark.parametrize("rpc", ["generate", "preload"])
+@pytest.mark.parametrize(("name", "code", "reason", "hint"), REFUSALS)
+async def test_refused_adapter_leaves_the_model_unchanged(client, rpc, name, code, reason, hint):
+    before = await client.generate_image("a boat", adapter=GOOD, seed=4, num_inference_steps=2)
+    with pytest.raises(LoraswapError) as caught:
+        if rpc == "generate":
+            await client.generate_image("a boat", adapter=name, seed=4, num_inference_steps=2)
+        else:
+            await client.preload_adapter(name)
+    assert (caught.value.code, caught.value.reason) == (code, reason)
+    assert hint in caught.value.message
+    after = await client.generate_image("a boat", adapter=GOOD, seed=4, num_inference_steps=2)
+    assert after.data == before.data
+    assert name not in {adapter.id for adapter in (await client.list_adapters()).adapters}
+    assert (await client.server_info()).recompilations == 0
+
+
+async def test_kohya_flux_file_matches_diffusers_own_loading(client, store_dir, exported_models):
+    reference = DiffusersReference(exported_models["tiny-flux"], "flux", store_dir)
+    info = await client.server_info()
+    for scale in (1.0, 0.5):
+        image = await client.generate_image(
+            "a kite", adapter="kohya-flux", adapter_scale=scale, seed=3, num_inference_steps=3
+        )
+        expected = reference.image(
+            "kohya-flux", scale, prompt="a kite", seed=3, steps=3, guidance=info.default_guidance_scale
+        )
+        assert_images_close(decode(image.data), expected)
+    base = await client.generate_image("a kite", seed=3, num_inference_steps=3)
+    assert abs(decode(base.data) - decode(image.data)).max() > 8  # the kohya adapter really acts
+
+
+async def test_cold_load_is_reported_then_cached_with_bookkeeping(client):
+    if "other" in {adapter.id for adapter in (await client.list_adapters()).adapters}:
+        await client.evict("other")
+    cold = await client.generate_image("a road", adapter="other", seed=1, num_inference_steps=2)
+    warm = await client.generate_image("a road", adapter="other", seed=1, num_inference_steps=2)
+    assert cold.timings.adapter_load_ms > 0 and warm.timings.adapter_load_ms == 0
+    assert cold.data == warm.data
+    listing = await client.list_adapters()
+    entry = next(adapter for adapter in listing.adapters if adapter.id == "other")
+    assert listing.adapters[0].id == "other"  # most recently used first
+    assert entry.rank == 8 and entry.hits == 2 and entry.resident
+    assert entry.source.endswith("other/pytorch_lora_weights.safetensors")
+    assert all(layer.endswith(("to_q", "to_v")) for layer in entry.target_layers)
+    assert entry.last_used_unix_ms > 0 and entry.size_bytes > 0
+    assert listing.cache_bytes >= entry.size_bytes
+
+
+async def test_evicting_an_adapter_in_use_lets_its_generation_finish(client):
+    reference = await client.generate_image("a tower", adapter=GOOD, seed=2, num_inference_steps=40)
+    await client.evict(GOOD)
+    events = []
+    started = asyncio.Event()
+
+    async def run():
+        async for event in client.generate("a tower", adapter=GOOD, seed=2, num_inference_steps=40):
+            events.append(event)
+            if isinstance(event, Progress):
+                started.set()
+
+    task = asyncio.ensure_future(run())
+    await asyncio.wait_for(started.wait(), 30)
+    await client.evict(GOOD)
+    await task
+    assert events[-1].data == reference.data
+
+
+async def test_lru_eviction_under_a_small_budget(store_dir):
+    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, adapter_cache_bytes=1))
+    try:
+        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
+            with pytest.raises(LoraswapError) as caught:
+                await client.preload_adapter(GOOD)
+            assert caught.value.reason == "ADAPTER_TOO_LARGE"
+    finally:
+        await running.stop(1.0)
+    good_bytes = None
+    running = await start_server(server_settings("tiny-flux", store_dir, compile=False))
+    try:
+        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
+            good_bytes = (await client.preload_adapter(GOOD)).adapter.size_bytes
+            other_bytes = (await client.preload_adapter("other")).adapter.size_bytes
+    finally:
+        await running.stop(1.0)
+    budget = good_bytes + other_bytes + 1
+    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, adapter_cache_bytes=budget))
+    try:
+        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
+            await client.preload_adapter(GOOD)
+            await client.preload_adapter("other")
+            await client.generate_image("x", adapter=GOOD, seed=1, num_inference_steps=1)  # GOOD is now newest
+            await client.preload_adapter("third")  # over budget: the least recently used goes
+            cached = [adapter.id for adapter in (await client.list_adapters()).adapters]
+            assert cached == ["third", GOOD]
+            assert (await client.list_adapters()).cache_bytes <= budget
+    finally:
+        await running.stop(1.0)
+
+
+async def test_hub_ids_are_served_from_a_local_hub_cache_offline(store_dir, tmp_path, monkeypatch):
+    """With --allow-hub and HF_HUB_OFFLINE=1, `owner/name` and `hf:owner/name@rev` come from the Hub cache."""
+    import shutil
+
+    import huggingface_hub
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    repo = cache / "models--owner--name"
+    commits = {"main": "a" * 40, "v1": "b" * 40}
+    for ref, adapter in (("main", GOOD), ("v1", "other")):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commits[ref])
+        snapshot = repo / "snapshots" / commits[ref]
+        snapshot.mkdir(parents=True)
+        shutil.copy(store_dir / adapter / "pytorch_lora_weights.safetensors", snapshot)
+
+    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, allow_hub=True))
+    try:
+        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
+            for hub_name, local_name in (("owner/name", GOOD), ("hf:owner/name@v1", "other")):
+                from_hub = await client.generate_image("a hill", adapter=hub_name, seed=1, num_inference_steps=2)
+                local = await client.generate_image("a hill", adapter=local_name, seed=1, num_inference_steps=2)
+                assert from_hub.data == local.data and from_hub.adapter == hub_name
+            sources = {adapter.id: adapter.source for adapter in (await client.list_adapters()).adapters}
+            assert sources["owner/name"] == "hf://owner/name@main/pytorch_lora_weights.safetensors"
+            with pytest.raises(LoraswapError) as caught:
+                await client.preload_adapter("owner/not-cached")
+            assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
+    finally:
+        await running.stop(1.0)
+
+
+async def test_kohya_sdxl_file_matches_diffusers_own_loading(tmp_path, exported_models):
+    from tests.unit.test_kohya_formats import _sdxl_modules
+
+    modules, alphas, _ = _sdxl_modules("sgm_names")
+    (tmp_path / "kohya-sdxl").mkdir()
+    _kohya_file(tmp_path / "kohya-sdxl" / "pytorch_lora_weights.safetensors", modules, rank=4, alphas=alphas, seed=9)
+    reference = DiffusersReference(exported_models["tiny-sdxl"], "sdxl", tmp_path)
+    running = await start_server(server_settings("tiny-sdxl", tmp_path, compile=False))
+    try:
+        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
+            info = await client.server_info()
+            image = await client.generate_image("a kite", adapter="kohya-sdxl", seed=3, num_inference_steps=3)
+            base = await client.generate_image("a kite", seed=3, num_inference_steps=3)
+    finally:
+        await running.stop(1.0)
+    expected = reference.image("kohya-sdxl", 1.0, prompt="a kite", seed=3, steps=3, guidance=info.default_guidance_scale)
+    assert_images_close(decode(image.data), expected)
+    assert abs(decode(base.data) - decode(image.data)).max() > 8
+
+
+async def test_concurrent_first_requests_load_an_adapter_once(client):
+    if "third" in {adapter.id for adapter in (await client.list_adapters()).adapters}:
+        await client.evict("third")
+    results = await asyncio.gather(
+        *(client.preload_adapter("third") for _ in range(4)),
+        *(client.generate_image("a cone", adapter="third", seed=1, num_inference_steps=1) for _ in range(2)),
+    )
+    preloads, images = results[:4], results[4:]
+    load_times = {result.adapter.load_ms for result in preloads} | {image.timings.adapter_load_ms for image in images}
+    assert len(load_times) == 1 and load_times.pop() > 0  # one load, shared by all six
+    assert not any(result.already_cached for result in preloads)
+    assert (await client.preload_adapter("third")).already_cached
