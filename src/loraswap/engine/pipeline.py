@@ -228,10 +228,19 @@ class DiffusionRuntime:
         requests = [
             GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2),
             GenerationRequest(
-                prompt="warm-up", seed=0, num_inference_steps=2, width=other_width, height=other_height,
-                guidance_scale=1.0 if self.family is ModelFamily.SDXL else None,
+                prompt="warm-up", seed=0, num_inference_steps=2, width=other_width, height=other_height
             ),
-        ]  # fmt: skip
+        ]
+        if self.family is ModelFamily.SDXL:
+            # Guidance <= 1 halves SDXL's batch; torch specialises size-1 dimensions, so that
+            # batch gets its own graph, warmed up here too. (Its conv guards still depend on the
+            # image's area, so guidance-off requests at much smaller sizes may compile once.)
+            requests.append(
+                GenerationRequest(
+                    prompt="warm-up", seed=0, num_inference_steps=2, width=other_width, height=other_height,
+                    guidance_scale=1.0,
+                )
+            )  # fmt: skip
         for request in requests:
             self.generate(self.resolve(request), None, on_step=lambda progress: None, is_cancelled=lambda: False)
 

@@ -188,7 +188,9 @@ def _check_tensor(key: str, tensor: torch.Tensor) -> None:
             f"tensor {key} has dtype {tensor.dtype}; LoRA weights must be floating point",
             reason="ADAPTER_BAD_DTYPE",
         )
-    if not torch.isfinite(tensor).all():
+    # One reduction instead of an element-wise pass: any NaN or inf makes the sum non-finite.
+    # A finite tensor whose sum overflows only costs the exact check below.
+    if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
         raise AdapterFormatError(f"tensor {key} holds NaN or infinite values", reason="ADAPTER_NOT_FINITE")
 
 
@@ -243,7 +245,10 @@ def _canonical_layers(
                 f"{a.shape[1]}->{b.shape[0]}; this adapter was made for a different model",
                 reason="ADAPTER_SHAPE_MISMATCH",
             )
-        baked_b = (b.to(torch.float32) * scaling).to(spec.dtype)
+        if scaling == 1.0:
+            baked_b = b.to(spec.dtype)
+        else:  # bake in float32 so the product rounds once, to the model's dtype
+            baked_b = (b.to(torch.float32) * scaling).to(spec.dtype)
         a = a.to(spec.dtype)
         if spec.pin_memory:
             a, baked_b = a.pin_memory(), baked_b.pin_memory()

@@ -41,14 +41,8 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, PreTrainedModel, T5Config, T5EncoderModel
 
-from loraswap.engine.models.tiny import (
-    GENERATION_DEFAULTS_FILE,
-    _build_clip_tokenizer,
-    _build_t5_tokenizer,
-    _clip_text_config,
-    _private_rng,
-    _seeded,
-)
+from loraswap.engine.models.tiny import GENERATION_DEFAULTS_FILE, _clip_text_config, _private_rng, _seeded
+from loraswap.engine.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 __all__ = [
     "FLUX_FULL_DEPTH",
@@ -129,9 +123,9 @@ FLUX_TRANSFORMER_CONFIG: dict[str, Any] = {
 # (double-stream blocks, single-stream blocks) of FLUX.1 at full depth.
 FLUX_FULL_DEPTH = (19, 38)
 
-# Height/width multiples: the VAE downscales by 8; Flux packs 2x2 latent patches,
-# SDXL's UNet halves the latent twice.
-RANDOM_FULL_SIZE_MULTIPLE: dict[str, int] = {"random-flux": 16, "random-sdxl": 32}
+# Height/width multiples: the VAE downscales by 8 and Flux packs 2x2 latent patches
+# (SDXL's UNet pads odd latent sizes itself, as with the real model).
+RANDOM_FULL_SIZE_MULTIPLE: dict[str, int] = {"random-flux": 16, "random-sdxl": 8}
 
 # Small generation defaults: these models exist to measure swaps and serving
 # overheads on real layer shapes, not to make 1024 px images on a CPU.
@@ -150,7 +144,9 @@ def _check(name: str, layers: int | None) -> None:
     if layers is not None and name != "random-flux":
         raise ValueError(f"layers applies to random-flux only; {name} is always built at full depth")
     if layers is not None and not 1 <= layers <= FLUX_FULL_DEPTH[0]:
-        raise ValueError(f"layers is {layers}; use 1 to {FLUX_FULL_DEPTH[0]} double-stream blocks, or None for full depth")
+        raise ValueError(
+            f"layers is {layers}; use 1 to {FLUX_FULL_DEPTH[0]} double-stream blocks, or None for full depth"
+        )
 
 
 def flux_depth(layers: int | None) -> tuple[int, int]:
@@ -175,7 +171,9 @@ def _fill_random(module: torch.nn.Module, generator: torch.Generator) -> None:
                 parameter.normal_(0.0, _INIT_STD, generator=generator)
 
 
-def build_random_denoiser(name: str, torch_dtype: torch.dtype = torch.bfloat16, layers: int | None = None) -> ModelMixin:
+def build_random_denoiser(
+    name: str, torch_dtype: torch.dtype = torch.bfloat16, layers: int | None = None
+) -> ModelMixin:
     """The full-size denoiser of `name` with seeded random weights, built directly in `torch_dtype` on CPU.
 
     Args:
@@ -207,8 +205,8 @@ def build_random_denoiser(name: str, torch_dtype: torch.dtype = torch.bfloat16, 
 
 
 def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
-    tokenizer = _build_clip_tokenizer()
-    tokenizer_2 = _build_clip_tokenizer()
+    tokenizer = build_clip_tokenizer()
+    tokenizer_2 = build_clip_tokenizer()
     # Widths the full UNet reads: hidden states 768 + 1280 = cross_attention_dim 2048;
     # pooled 1280 + 6 * 256 time ids = projection_class_embeddings_input_dim 2816.
     config_1 = _clip_text_config(tokenizer)
@@ -240,8 +238,8 @@ def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
 
 
 def _flux_components(transformer: ModelMixin) -> dict[str, Any]:
-    tokenizer = _build_clip_tokenizer()
-    tokenizer_2 = _build_t5_tokenizer()
+    tokenizer = build_clip_tokenizer()
+    tokenizer_2 = build_t5_tokenizer()
     config_1 = _clip_text_config(tokenizer)
     config_1.hidden_size, config_1.projection_dim = 768, 768  # pooled_projection_dim
     text_encoder = _seeded(lambda: CLIPTextModel(config_1))

@@ -1,0 +1,470 @@
+"""End to end over gRPC: a real `loraswap serve` process, measured from a client process that runs no torch.
+
+    python -m benchmarks.serve                                     # tiny-flux
+    python -m benchmarks.serve --model random-sdxl --size 64 --steps 2 --mix-requests 24
+
+What it measures, in order (see BENCHMARKS.md for what each figure means):
+
+1. direct: the same engine runtime (same model, slot, compile settings) called
+   in this process with no server, for the per-step baseline; freed before the
+   server starts, so the two never share the CPU;
+2. time from sending a request to its first Progress event, same adapter resident;
+3. per-step cost as the client sees the Progress stream, against direct;
+4. latency of a request that changes the adapter against one that keeps it
+   (both adapters in the host cache, same prompt, seed and size);
+5. throughput of `--clients` concurrent clients (one channel each) sending a
+   Zipf-distributed mix over `--adapters` adapters, all preloaded;
+6. the server's recompilation count over the whole run.
+
+Random full-size models are exported to a temporary diffusers folder that the
+server loads with `--model DIR` (the real denoiser; tiny text encoders and VAE).
+The last line printed is one JSON object; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.swap import ATTENTION_PROJECTIONS, log, machine_info, summarize
+
+DEFAULT_MODEL = "tiny-flux"
+DEFAULT_THREADS = 1
+ZIPF_EXPONENT = 1.1
+PROMPT = "a lighthouse at dusk, oil painting"
+SERVER_START_TIMEOUT_S = 1800.0
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def zipf_sequence(count: int, adapters: int, exponent: float, seed: int) -> list[int]:
+    """Adapter indices drawn from a Zipf(exponent) law over `adapters` choices."""
+    rng = random.Random(seed)
+    weights = [1.0 / (rank + 1) ** exponent for rank in range(adapters)]
+    return rng.choices(range(adapters), weights=weights, k=count)
+
+
+def adapter_name(index: int) -> str:
+    return f"a{index:03d}"
+
+
+# --------------------------------------------------------------------------- set-up (torch, before any event loop)
+
+
+def prepare_model(args, workdir: Path) -> tuple[str, object, float]:
+    """The --model value the server gets, a pipeline to write adapters against, and the seconds spent.
+
+    Random full-size models are exported to a folder (the model dispatcher may not know their names).
+    """
+    import torch
+
+    from loraswap.engine.models import BUILTIN_MODELS, build_builtin_pipeline
+    from loraswap.engine.models.random_full import RANDOM_FULL_MODELS, build_random_pipeline
+
+    started = time.perf_counter()
+    if args.model in BUILTIN_MODELS:
+        return args.model, build_builtin_pipeline(args.model), time.perf_counter() - started
+    if args.model not in RANDOM_FULL_MODELS:
+        raise SystemExit(f"unknown --model {args.model!r}; use one of {', '.join(BUILTIN_MODELS + RANDOM_FULL_MODELS)}")
+    from loraswap.engine.models import GENERATION_DEFAULTS_FILE
+    from loraswap.engine.models.random_full import random_full_defaults
+
+    pipe = build_random_pipeline(args.model, torch_dtype=getattr(torch, args.dtype), layers=args.layers)
+    folder = workdir / args.model
+    pipe.save_pretrained(folder, safe_serialization=True)
+    (folder / GENERATION_DEFAULTS_FILE).write_text(json.dumps(random_full_defaults(args.model)) + "\n")
+    return str(folder), pipe, time.perf_counter() - started
+
+
+def write_adapters(pipe, adapter_dir: Path, count: int, rank: int) -> tuple[float, int]:
+    """`count` random rank-`rank` adapters on the attention projections; returns seconds and bytes of one."""
+    from benchmarks.swap import write_lora_file
+    from loraswap.engine.pipeline import family_of, resolve_target_layers
+
+    started = time.perf_counter()
+    family = family_of(pipe).value
+    denoiser = pipe.transformer if family == "flux" else pipe.unet
+    patterns = ATTENTION_PROJECTIONS[family]
+    layers = resolve_target_layers(denoiser, patterns)
+    size = 0
+    for index in range(count):
+        path = write_lora_file(
+            pipe, layers, adapter_dir / adapter_name(index), rank=rank, patterns=patterns, seed=index
+        )
+        size = path.stat().st_size
+    return time.perf_counter() - started, size
+
+
+def engine_config(args, model: str, adapter_dir: Path):
+    from loraswap.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=model,
+        device="cpu",
+        dtype=args.dtype,
+        max_rank=args.max_rank,
+        compile=args.compile_backend != "none",
+        compile_backend=args.compile_backend if args.compile_backend != "none" else "inductor",
+        adapter_dir=adapter_dir,
+        torch_threads=args.threads,
+    )
+
+
+def measure_direct(args, model: str, adapter_dir: Path) -> dict:
+    """The engine runtime called in-process (no scheduler, no gRPC): per-step and per-request baselines."""
+    import torch
+
+    from loraswap.engine.adapters.canonical import load_canonical
+    from loraswap.engine.adapters.sources import AdapterFile
+    from loraswap.engine.pipeline import DiffusionRuntime
+    from loraswap.engine.types import GenerationRequest
+
+    started = time.perf_counter()
+    runtime = DiffusionRuntime(engine_config(args, model, adapter_dir))
+    ready_s = time.perf_counter() - started
+    path = adapter_dir / adapter_name(0) / "pytorch_lora_weights.safetensors"
+    adapter = load_canonical(AdapterFile(adapter_name(0), path, "local"), runtime.slot_spec())
+    params = runtime.resolve(
+        GenerationRequest(
+            prompt=PROMPT, adapter=adapter_name(0), seed=0, num_inference_steps=args.steps,
+            width=args.size, height=args.size,
+        )
+    )  # fmt: skip
+    steps, totals = [], []
+    stamps: list[float] = []
+    for index in range(1 + args.repeats):
+        stamps.clear()
+        begun = time.perf_counter()
+        runtime.generate(params, adapter, on_step=lambda _: stamps.append(time.perf_counter()), is_cancelled=bool)
+        if index > 0:  # the first run is a warm-up
+            totals.append(time.perf_counter() - begun)
+            steps.extend(later - earlier for earlier, later in itertools.pairwise(stamps))
+    recompilations = runtime.recompilations
+    del runtime, adapter
+    gc.collect()
+    torch.set_num_threads(args.threads)
+    return {
+        "ready_s": ready_s,
+        "step": summarize(steps),
+        "request": summarize(totals),
+        "recompilations": recompilations,
+    }
+
+
+# --------------------------------------------------------------------------- the server process
+
+
+class ServerProcess:
+    """`loraswap serve` on a port the OS picks, in its own process; stopped with SIGTERM."""
+
+    def __init__(self, args, model: str, adapter_dir: Path, log_path: Path) -> None:
+        command = [
+            sys.executable, "-m", "loraswap.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
+            "--adapter-dir", str(adapter_dir), "--torch-threads", str(args.threads), "--device", "cpu",
+            "--dtype", args.dtype, "--max-rank", str(args.max_rank), "--log-level", "WARNING",
+        ]  # fmt: skip
+        if args.compile_backend == "none":
+            command.append("--no-compile")
+        else:
+            command += ["--compile", "--compile-backend", args.compile_backend]
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.port: int | None = None
+
+    def wait_until_serving(self, timeout: float) -> float:
+        """Block until the server says it serves; returns seconds waited."""
+        started = time.perf_counter()
+        result: dict[str, int] = {}
+
+        def read() -> None:
+            for line in self.process.stdout:
+                if "serving" in line and "on port" in line:
+                    result["port"] = int(line.rsplit("on port", 1)[1].split()[0].strip(" ,"))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if "port" not in result:
+            self.stop()
+            tail = self.log_path.read_text()[-3000:]
+            raise RuntimeError(f"the server did not start within {timeout:.0f} s; its log ends:\n{tail}")
+        self.port = result["port"]
+        return time.perf_counter() - started
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+# --------------------------------------------------------------------------- the client side (no torch)
+
+
+async def timed_request(client, adapter: str, args) -> dict:
+    """One Generate call: when it was sent, when each Progress arrived, when the image arrived."""
+    from loraswap.client import GeneratedImage, Progress
+
+    sent = time.perf_counter()
+    progress_at: list[float] = []
+    progress_ms: list[float] = []
+    image = None
+    async for event in client.generate(
+        PROMPT, adapter=adapter, seed=0, num_inference_steps=args.steps, width=args.size, height=args.size
+    ):
+        if isinstance(event, Progress):
+            progress_at.append(time.perf_counter())
+            progress_ms.append(event.elapsed_ms)
+        elif isinstance(event, GeneratedImage):
+            image = event
+    done = time.perf_counter()
+    if image is None or len(progress_at) != args.steps:
+        raise RuntimeError(f"request for {adapter!r} ended with {len(progress_at)} progress events and no image")
+    return {
+        "latency_s": done - sent,
+        "first_progress_s": progress_at[0] - sent,
+        "client_steps_s": [b - a for a, b in itertools.pairwise(progress_at)],
+        "server_steps_s": [(b - a) / 1000.0 for a, b in itertools.pairwise(progress_ms)],
+        "swap_ms": image.timings.adapter_swap_ms,
+    }
+
+
+async def measure_server(args, port: int) -> dict:
+    from loraswap.client import AsyncLoraswapClient
+
+    target = f"127.0.0.1:{port}"
+    async with AsyncLoraswapClient(target, default_timeout=3600) as client:
+        info = await client.server_info()
+        recompilations_before = info.recompilations
+        log(f"server: {info.model} ({info.family}), compiled={info.compiled}, max rank {info.max_rank}")
+        preload_started = time.perf_counter()
+        for index in range(args.adapters):
+            await client.preload_adapter(adapter_name(index))
+        preload_s = time.perf_counter() - preload_started
+
+        # Same adapter resident: time to first progress, and the streamed per-step cost.
+        same = adapter_name(0)
+        await timed_request(client, same, args)  # makes it resident
+        firsts, client_steps, server_steps = [], [], []
+        for _ in range(args.repeats):
+            record = await timed_request(client, same, args)
+            firsts.append(record["first_progress_s"])
+            client_steps += record["client_steps_s"]
+            server_steps += record["server_steps_s"]
+        log(f"first progress {statistics.median(firsts):.3f} s; streamed step {statistics.median(client_steps):.3f} s")
+
+        # Change versus keep, alternating B B A A B B ...: every first of a pair swaps, every second keeps.
+        change, keep, change_swap_ms = [], [], []
+        names = (adapter_name(1), adapter_name(0))
+        for index in range(args.repeats):
+            name = names[index % 2]
+            changed = await timed_request(client, name, args)
+            kept = await timed_request(client, name, args)
+            change.append(changed["latency_s"])
+            change_swap_ms.append(changed["swap_ms"])
+            keep.append(kept["latency_s"])
+        log(f"change {statistics.median(change):.3f} s, keep {statistics.median(keep):.3f} s")
+
+        throughput = await measure_throughput(args, target)
+        info = await client.server_info()
+    return {
+        "preload_s": preload_s,
+        "first_progress": summarize(firsts),
+        "client_steps": client_steps,
+        "server_steps": server_steps,
+        "change": change,
+        "keep": keep,
+        "change_swap_ms": change_swap_ms,
+        "throughput": throughput,
+        "recompilations_before": recompilations_before,
+        "recompilations": info.recompilations,
+    }
+
+
+async def measure_throughput(args, target: str) -> dict:
+    """`--clients` closed-loop clients, one channel each, sharing a Zipf mix of requests."""
+    from loraswap.client import AsyncLoraswapClient
+
+    sequence = zipf_sequence(args.mix_requests, args.adapters, ZIPF_EXPONENT, seed=0)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in sequence:
+        queue.put_nowait(index)
+    latencies: list[float] = []
+    swaps = 0
+
+    async def client_loop() -> None:
+        nonlocal swaps
+        async with AsyncLoraswapClient(target, default_timeout=3600) as client:
+            while True:
+                try:
+                    index = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                record = await timed_request(client, adapter_name(index), args)
+                latencies.append(record["latency_s"])
+                swaps += record["swap_ms"] > 0
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(args.clients)))
+    wall = time.perf_counter() - started
+    log(f"throughput: {len(sequence)} requests in {wall:.1f} s")
+    return {
+        "clients": args.clients,
+        "adapters": args.adapters,
+        "zipf_exponent": ZIPF_EXPONENT,
+        "requests": len(sequence),
+        "distinct_adapters": len(set(sequence)),
+        "swaps": swaps,
+        "wall_s": wall,
+        "images_per_s": len(sequence) / wall,
+        "latency_s": {
+            "p50": percentile(latencies, 0.5),
+            "p95": percentile(latencies, 0.95),
+            "max": max(latencies),
+        },
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="tiny-flux, tiny-sdxl, random-sdxl or random-flux")
+    parser.add_argument("--layers", type=int, default=None, help="random-flux only: double-stream blocks to keep")
+    parser.add_argument("--size", type=int, default=64, help="image width and height")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
+    parser.add_argument("--rank", type=int, default=8, help="rank of the benchmark's adapters")
+    parser.add_argument("--max-rank", type=int, default=64, help="the server's --max-rank")
+    parser.add_argument("--adapters", type=int, default=50, help="adapters in the Zipf mix")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients in the throughput run")
+    parser.add_argument("--mix-requests", type=int, default=64, help="requests in the throughput run")
+    parser.add_argument("--repeats", type=int, default=5, help="timed requests per latency figure (after 1 warm-up)")
+    parser.add_argument("--dtype", default=None, help="weights' dtype (default: float32 tiny, bfloat16 random)")
+    parser.add_argument("--compile-backend", default="aot_eager", help="the server's torch.compile backend; 'none'")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch CPU threads (server and direct)")
+    parser.add_argument("--skip-direct", action="store_true", help="skip the in-process baseline")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON result here")
+    args = parser.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.model.startswith("random-") else "float32"
+    if args.adapters < 2 or args.repeats < 1 or args.clients < 1 or args.steps < 2:
+        parser.error("need --adapters >= 2, --repeats >= 1, --clients >= 1 and --steps >= 2")
+    return args
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print the JSON result as the last line of stdout, and return it."""
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    run_started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="loraswap-serve-bench-") as temp:
+        workdir = Path(temp)
+        adapter_dir = workdir / "adapters"
+        log(f"preparing {args.model}")
+        model, pipe, model_s = prepare_model(args, workdir)
+        write_s, adapter_file_bytes = write_adapters(pipe, adapter_dir, args.adapters, args.rank)
+        del pipe
+        gc.collect()
+        direct = None
+        if not args.skip_direct:
+            log("direct: the engine runtime in this process")
+            direct = measure_direct(args, model, adapter_dir)
+            log(f"direct: step {direct['step']['median_s']:.3f} s, request {direct['request']['median_s']:.3f} s")
+        log("starting the server")
+        server = ServerProcess(args, model, adapter_dir, workdir / "server.log")
+        try:
+            startup_s = server.wait_until_serving(SERVER_START_TIMEOUT_S)
+            log(f"server on port {server.port} after {startup_s:.1f} s")
+            measured = asyncio.run(measure_server(args, server.port))
+        finally:
+            server.stop()
+
+    streamed_step = summarize(measured["client_steps"])
+    server_step = summarize(measured["server_steps"])
+    change, keep = summarize(measured["change"]), summarize(measured["keep"])
+    result = {
+        "benchmark": "serve",
+        "model": args.model,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "device": "cpu",
+        "torch_threads": args.threads,
+        "compile_backend": args.compile_backend,
+        "size": args.size,
+        "steps": args.steps,
+        "adapter_rank": args.rank,
+        "adapter_file_bytes": adapter_file_bytes,
+        "max_rank": args.max_rank,
+        "repeats": args.repeats,
+        "time_to_first_progress": measured["first_progress"],
+        "per_step": {
+            "direct": direct["step"] if direct else None,
+            "streamed_client": streamed_step,
+            "streamed_server": server_step,
+            "streamed_over_direct": ratio(streamed_step["median_s"], direct["step"]["median_s"]) if direct else None,
+        },
+        "direct_request": direct["request"] if direct else None,
+        "adapter_change": {
+            "change": change,
+            "keep": keep,
+            "change_over_keep": ratio(change["median_s"], keep["median_s"]),
+            "server_swap": summarize([ms / 1000.0 for ms in measured["change_swap_ms"]]),
+        },
+        "throughput": measured["throughput"],
+        "recompilations": measured["recompilations"] + (direct["recompilations"] if direct else 0),
+        "recompilations_server": measured["recompilations"],
+        "recompilations_direct": direct["recompilations"] if direct else None,
+        "setup_s": {
+            "prepare_model": model_s,
+            "write_adapters": write_s,
+            "direct_ready": direct["ready_s"] if direct else None,
+            "server_ready": startup_s,
+            "preload_adapters": measured["preload_s"],
+        },
+        "machine": machine_info(),
+        "elapsed_s": time.perf_counter() - run_started,
+    }
+    line = json.dumps(result)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    print(line, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

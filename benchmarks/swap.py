@@ -1,0 +1,551 @@
+"""Adapter swap cost, side by side in one process: diffusers' paths, loraswap's, and the copy floors.
+
+    python -m benchmarks.swap                      # SDXL UNet (full size, random, bf16), rank 32, + mixed 8/64
+    python -m benchmarks.swap --rank 8 --mixed-ranks ""
+    python -m benchmarks.swap --model random-flux --layers 8
+
+Every path swaps between two adapters of the same rank (the headline), then
+again between two of different ranks (reported under "mixed_rank"). Each swap
+is timed with perf_counter around the whole path, from "a different adapter
+is wanted" to "the model would now run with it". The first swap of each path
+on a clean model is reported apart ("first_swap_s"); then one warm-up swap is
+dropped and `--repeats` swaps are kept. The last line printed is one JSON
+object; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "random-sdxl"
+DEFAULT_RANK = 32
+DEFAULT_MIXED_RANKS = (8, 64)
+DEFAULT_REPEATS = 7
+# One thread: the dev machines have two shared cores, and one thread keeps the figures stable.
+DEFAULT_THREADS = 1
+ADAPTER_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+# "The attention projections": what most published LoRAs train, and what the
+# issue's 90 MB-at-rank-32 SDXL figure counts.
+ATTENTION_PROJECTIONS = {
+    "sdxl": ("to_q", "to_k", "to_v", "to_out.0"),
+    "flux": ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+}
+
+PATHS = (
+    "diffusers_load_unload",
+    "diffusers_fuse_unfuse",
+    "diffusers_hotswap",
+    "loraswap_cold",
+    "loraswap_warm",
+    "floor_copy",
+    "floor_read_copy",
+)
+
+
+def log(message: str) -> None:
+    """Progress to stderr, so stdout's last line stays the JSON result."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """Median, min and max of timings in seconds (and how many there were)."""
+    return {
+        "median_s": statistics.median(samples),
+        "min_s": min(samples),
+        "max_s": max(samples),
+        "n": len(samples),
+    }
+
+
+def machine_info() -> dict[str, object]:
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gb = None
+    try:
+        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)
+    except (ValueError, OSError):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    import diffusers
+    import peft
+
+    return {
+        "cpu": cpu,
+        "cores_available": cores,
+        "memory_gb": memory_gb,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "peft": peft.__version__,
+    }
+
+
+def build_pipeline(model: str, dtype: torch.dtype, layers: int | None):
+    """A built-in tiny pipeline or a random full-size one (the real denoiser architecture)."""
+    from loraswap.engine.models import BUILTIN_MODELS, build_builtin_pipeline
+    from loraswap.engine.models.random_full import RANDOM_FULL_MODELS, build_random_pipeline
+
+    if model in BUILTIN_MODELS:
+        if layers is not None:
+            raise SystemExit("--layers applies to random-flux only")
+        return build_builtin_pipeline(model, torch_dtype=dtype)
+    if model in RANDOM_FULL_MODELS:
+        return build_random_pipeline(model, torch_dtype=dtype, layers=layers)
+    raise SystemExit(f"unknown --model {model!r}; use one of {', '.join(BUILTIN_MODELS + RANDOM_FULL_MODELS)}")
+
+
+def write_lora_file(
+    pipe, layer_names: list[str], directory: Path, *, rank: int, patterns: tuple[str, ...], seed: int
+) -> Path:
+    """Write a random rank-`rank` LoRA on `layer_names` in diffusers' PEFT format, as `save_lora_weights` does.
+
+    The factors are drawn directly (no PEFT layers are put on the model), so
+    writing adapters for a 2.6 B-parameter UNet costs only the file's bytes.
+    """
+    from diffusers import FluxPipeline, StableDiffusionXLPipeline
+    from peft import LoraConfig
+
+    is_flux = isinstance(pipe, FluxPipeline)
+    denoiser = pipe.transformer if is_flux else pipe.unet
+    dtype = denoiser.dtype
+    generator = torch.Generator("cpu").manual_seed(seed)
+    state_dict = {}
+    for name in layer_names:
+        layer = denoiser.get_submodule(name)
+        a = torch.randn(rank, layer.in_features, generator=generator) / layer.in_features**0.5
+        b = torch.randn(layer.out_features, rank, generator=generator) * 0.01
+        state_dict[f"{name}.lora_A.weight"] = a.to(dtype)
+        state_dict[f"{name}.lora_B.weight"] = b.to(dtype)
+    metadata = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(patterns), init_lora_weights=False).to_dict()
+    if is_flux:
+        FluxPipeline.save_lora_weights(
+            directory, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )
+    else:
+        StableDiffusionXLPipeline.save_lora_weights(
+            directory, unet_lora_layers=state_dict, unet_lora_adapter_metadata=metadata
+        )
+    return directory / ADAPTER_WEIGHT_NAME
+
+
+class SwapBench:
+    """One pipeline, its adapters on disk, and a timed run of each swap path over a pair of adapters."""
+
+    def __init__(self, pipe, family, layer_names: list[str], max_rank: int, repeats: int) -> None:
+        self.pipe = pipe
+        self.family = family
+        self.denoiser = pipe.transformer if family.value == "flux" else pipe.unet
+        self.layer_names = layer_names
+        self.max_rank = max_rank
+        self.repeats = repeats
+        self.dtype = self.denoiser.dtype
+        self.slot = None
+        self.spec = None
+        self.canonical: dict[str, object] = {}
+
+    # -- the timing protocol ------------------------------------------------------------------------
+
+    def measure(
+        self, pair: tuple[Path, Path], first: Callable[[Path], None], swap: Callable[[Path], None]
+    ) -> tuple[float, list[tuple[Path, float]]]:
+        """`first` loads pair[0] on a clean model (timed alone); then 1 + repeats alternating swaps, the first dropped.
+
+        Returns the first swap's seconds and (adapter swapped to, seconds) for each kept swap.
+        """
+        started = time.perf_counter()
+        first(pair[0])
+        first_s = time.perf_counter() - started
+        samples = []
+        for index in range(1 + self.repeats):
+            target = pair[(index + 1) % 2]
+            started = time.perf_counter()
+            swap(target)
+            elapsed = time.perf_counter() - started
+            if index > 0:
+                samples.append((target, elapsed))
+        return first_s, samples
+
+    # -- diffusers' paths ----------------------------------------------------------------------------
+
+    def diffusers_load_unload(self, pair):
+        def first(path):
+            self.pipe.load_lora_weights(str(path.parent), adapter_name="bench")
+
+        def swap(path):
+            self.pipe.unload_lora_weights()
+            self.pipe.load_lora_weights(str(path.parent), adapter_name="bench")
+
+        try:
+            return self.measure(pair, first, swap)
+        finally:
+            self.pipe.unload_lora_weights()
+
+    def diffusers_fuse_unfuse(self, pair):
+        def first(path):
+            self.pipe.load_lora_weights(str(path.parent), adapter_name="bench")
+            self.pipe.fuse_lora()
+
+        def swap(path):
+            self.pipe.unfuse_lora()
+            self.pipe.unload_lora_weights()
+            self.pipe.load_lora_weights(str(path.parent), adapter_name="bench")
+            self.pipe.fuse_lora()
+
+        try:
+            return self.measure(pair, first, swap)
+        finally:
+            self.pipe.unfuse_lora()
+            self.pipe.unload_lora_weights()
+
+    def diffusers_hotswap(self, pair):
+        # Must precede the first load: pads every adapter to max_rank so later swaps keep shapes.
+        self.pipe.enable_lora_hotswap(target_rank=self.max_rank)
+
+        def first(path):
+            self.pipe.load_lora_weights(str(path.parent), adapter_name="bench")
+
+        def swap(path):
+            self.pipe.load_lora_weights(str(path.parent), adapter_name="bench", hotswap=True)
+
+        try:
+            return self.measure(pair, first, swap)
+        finally:
+            self.pipe.unload_lora_weights()
+
+    # -- loraswap's paths ----------------------------------------------------------------------------
+
+    def install_slot(self) -> float:
+        """Put loraswap's max-rank placeholder on the layers (start-up work, like the server's); returns seconds."""
+        from loraswap.engine.adapters.slot import HotswapSlot
+
+        started = time.perf_counter()
+        self.slot = HotswapSlot.install(self.denoiser, self.layer_names, self.max_rank, self.dtype, torch.device("cpu"))
+        self.spec = self.slot.spec(self.family, self.dtype, torch.device("cpu"))
+        return time.perf_counter() - started
+
+    def _load_canonical(self, path: Path):
+        from loraswap.engine.adapters.canonical import load_canonical
+        from loraswap.engine.adapters.sources import AdapterFile
+
+        return load_canonical(AdapterFile(name=path.parent.name, path=path, source="local"), self.spec)
+
+    def loraswap_cold(self, pair):
+        def swap(path):
+            with torch.inference_mode():
+                self.slot.load(self._load_canonical(path), 1.0)
+
+        return self.measure(pair, swap, swap)
+
+    def loraswap_warm(self, pair):
+        # The host-memory cache holds canonical adapters; a warm swap starts from one of them.
+        for path in pair:
+            self.canonical.setdefault(str(path), self._load_canonical(path))
+        self.slot.load(None)  # a clean slot, as after start-up
+
+        def swap(path):
+            with torch.inference_mode():
+                self.slot.load(self.canonical[str(path)], 1.0)
+
+        return self.measure(pair, swap, swap)
+
+    # -- the floors ----------------------------------------------------------------------------------
+
+    def floor_copy(self, pair):
+        """copy_ of the adapter's own tensors (canonical form) into preallocated tensors of the same shapes."""
+        sources = {}
+        for path in pair:
+            canonical = self.canonical.get(str(path)) or self._load_canonical(path)
+            sources[path] = [t for layer in canonical.layers.values() for t in (layer.a, layer.b)]
+        targets = {path: [torch.empty_like(t) for t in tensors] for path, tensors in sources.items()}
+        for path in pair:  # touch the pages once: the slot's memory is resident too
+            for target in targets[path]:
+                target.zero_()
+
+        @torch.no_grad()
+        def swap(path):
+            for target, source in zip(targets[path], sources[path], strict=True):
+                target.copy_(source)
+
+        return self.measure(pair, swap, swap)
+
+    def floor_read_copy(self, pair):
+        """safetensors.torch.load_file of the adapter file plus the floor copy of its tensors."""
+        from safetensors.torch import load_file
+
+        targets = {path: {k: torch.zeros_like(v) for k, v in load_file(str(path)).items()} for path in pair}
+
+        @torch.no_grad()
+        def swap(path):
+            for key, source in load_file(str(path)).items():
+                targets[path][key].copy_(source)
+
+        return self.measure(pair, swap, swap)
+
+    # -- recompilation check -------------------------------------------------------------------------
+
+    def count_recompilations(self, adapters: list[Path], backend: str, size: int) -> dict[str, object]:
+        """Compile the denoiser (slot in place), run once, then swap through `adapters` running after each.
+
+        Returns the graphs compiled after the first run: a swap that changed a
+        shape, a dtype or a guarded attribute would show up here.
+        """
+        from loraswap.engine.pipeline import _CountingBackend
+
+        counter = _CountingBackend(backend)
+        self.denoiser.compile(backend=counter)
+        kwargs = dict(
+            prompt="recompilation check", num_inference_steps=1, width=size, height=size, output_type="latent"
+        )
+        if self.family.value == "flux":
+            kwargs["max_sequence_length"] = 32
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
+            at_ready = counter.graphs_compiled
+            for path in [*adapters, None]:
+                adapter = None if path is None else (self.canonical.get(str(path)) or self._load_canonical(path))
+                self.slot.load(adapter, 1.0)
+                self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
+        return {
+            "backend": backend,
+            "graphs_at_ready": at_ready,
+            "swaps_checked": len(adapters) + 1,
+            "recompilations": counter.graphs_compiled - at_ready,
+            "elapsed_s": time.perf_counter() - started,
+        }
+
+
+def run_pair(bench: SwapBench, pair: tuple[Path, Path], paths: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """Each path over the pair: summaries over all swaps, first swaps, and summaries by the adapter swapped to."""
+    results, first, by_target = {}, {}, {}
+    for name in paths:
+        log(f"  {name}: {pair[0].parent.name} <-> {pair[1].parent.name}")
+        first_s, samples = getattr(bench, name)(pair)
+        results[name] = summarize([elapsed for _, elapsed in samples])
+        first[name] = first_s
+        by_target[name] = {
+            f"to_{path.parent.name}": summarize([elapsed for target, elapsed in samples if target == path])
+            for path in pair
+        }
+        log(f"  {name}: first {first_s:.4f} s, median {results[name]['median_s']:.4f} s")
+    return results, first, by_target
+
+
+def ratios(paths: dict[str, dict]) -> dict[str, float | None]:
+    """The claims, as ratios of medians measured in this one run."""
+
+    def ratio(numerator: str, denominator: str) -> float | None:
+        if numerator not in paths or denominator not in paths:
+            return None
+        return paths[numerator]["median_s"] / paths[denominator]["median_s"]
+
+    return {
+        "diffusers_hotswap_over_loraswap_warm": ratio("diffusers_hotswap", "loraswap_warm"),
+        "diffusers_load_unload_over_loraswap_warm": ratio("diffusers_load_unload", "loraswap_warm"),
+        "diffusers_fuse_unfuse_over_loraswap_warm": ratio("diffusers_fuse_unfuse", "loraswap_warm"),
+        "loraswap_warm_over_floor_copy": ratio("loraswap_warm", "floor_copy"),
+        "loraswap_cold_over_floor_read_copy": ratio("loraswap_cold", "floor_read_copy"),
+    }
+
+
+def _file_tensor_bytes(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(path), framework="pt") as handle:
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+            tensor_slice = handle.get_slice(key)
+            shape = tensor_slice.get_shape()
+            count = 1
+            for dim in shape:
+                count *= dim
+            total += count * torch.finfo(getattr(torch, _dtype_name(tensor_slice.get_dtype()))).bits // 8
+    return total
+
+
+def _dtype_name(safetensors_dtype: str) -> str:
+    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[safetensors_dtype]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.swap", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="random-sdxl, random-flux, tiny-sdxl or tiny-flux")
+    parser.add_argument("--layers", type=int, default=None, help="random-flux only: double-stream blocks to keep")
+    parser.add_argument("--rank", type=int, default=DEFAULT_RANK, help="rank of the headline same-rank pair")
+    parser.add_argument(
+        "--mixed-ranks", default=",".join(map(str, DEFAULT_MIXED_RANKS)), help="two ranks for the mixed pair; '' skips"
+    )
+    parser.add_argument("--max-rank", type=int, default=None, help="slot / hotswap target rank (default: highest rank)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed swaps per path after 1 warm-up")
+    parser.add_argument("--dtype", default="bfloat16", help="weights' dtype")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of the paths")
+    parser.add_argument("--compile-backend", default="eager", help="backend of the recompilation check; 'none' skips")
+    parser.add_argument("--check-size", type=int, default=None, help="check image size (32 SDXL, 16 Flux)")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch CPU threads")
+    parser.add_argument("--adapter-dir", type=Path, default=None, help="where to write adapters (default: a temp dir)")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON result here")
+    args = parser.parse_args(argv)
+    args.mixed = tuple(int(r) for r in args.mixed_ranks.split(",") if r.strip())
+    if args.mixed and len(args.mixed) != 2:
+        parser.error("--mixed-ranks takes two ranks, or '' to skip")
+    args.path_list = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    unknown = [p for p in args.path_list if p not in PATHS]
+    if unknown:
+        parser.error(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print the JSON result as the last line of stdout, and return it."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    # dynamo's notes on diffusers' code say nothing about swaps; keep stderr readable.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._dynamo")
+    from loraswap.engine.pipeline import family_of, resolve_target_layers
+
+    run_started = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    started = time.perf_counter()
+    pipe = build_pipeline(args.model, dtype, args.layers)
+    pipe.set_progress_bar_config(disable=True)
+    build_s = time.perf_counter() - started
+    family = family_of(pipe)
+    denoiser = pipe.transformer if family.value == "flux" else pipe.unet
+    denoiser.requires_grad_(False)
+    patterns = ATTENTION_PROJECTIONS[family.value]
+    layer_names = resolve_target_layers(denoiser, patterns)
+    log(f"{args.model}: {sum(p.numel() for p in denoiser.parameters()) / 1e9:.2f} B denoiser parameters, "
+        f"{len(layer_names)} attention projections, built in {build_s:.1f} s")  # fmt: skip
+
+    ranks = {args.rank, *args.mixed}
+    max_rank = args.max_rank or max(ranks)
+    temp = None
+    if args.adapter_dir is None:
+        temp = tempfile.TemporaryDirectory(prefix="loraswap-swap-bench-")
+        adapter_dir = Path(temp.name)
+    else:
+        adapter_dir = args.adapter_dir
+    started = time.perf_counter()
+    files: dict[str, Path] = {}
+    wanted = [(args.rank, "a"), (args.rank, "b")] + [(rank, "a") for rank in args.mixed]
+    for seed, (rank, tag) in enumerate(wanted, start=1):
+        name = f"r{rank}-{tag}"
+        if name not in files:
+            files[name] = write_lora_file(
+                pipe, layer_names, adapter_dir / name, rank=rank, patterns=patterns, seed=seed
+            )
+    write_s = time.perf_counter() - started
+    headline = (files[f"r{args.rank}-a"], files[f"r{args.rank}-b"])
+    mixed = (files[f"r{args.mixed[0]}-a"], files[f"r{args.mixed[1]}-a"]) if args.mixed else None
+
+    bench = SwapBench(pipe, family, layer_names, max_rank, args.repeats)
+    diffusers_paths = tuple(p for p in args.path_list if p.startswith("diffusers_"))
+    own_paths = tuple(p for p in args.path_list if not p.startswith("diffusers_"))
+    pairs = [("headline", headline)] + ([("mixed_rank", mixed)] if mixed else [])
+    measured: dict[str, tuple[dict, dict, dict]] = {label: ({}, {}, {}) for label, _ in pairs}
+    for label, pair in pairs:
+        log(f"{label}: diffusers' paths")
+        for part, values in zip(measured[label], run_pair(bench, pair, diffusers_paths), strict=True):
+            part.update(values)
+    install_s = bench.install_slot()
+    log(f"loraswap slot installed in {install_s:.2f} s")
+    for label, pair in pairs:
+        log(f"{label}: loraswap's paths and the floors")
+        for part, values in zip(measured[label], run_pair(bench, pair, own_paths), strict=True):
+            part.update(values)
+
+    check = None
+    if args.compile_backend != "none":
+        # The smallest images the full-size models take: cheap runs with every layer in the graph.
+        size = args.check_size or (16 if family.value == "flux" else 32)
+        log(f"recompilation check: {args.compile_backend} backend, {size} px")
+        check = bench.count_recompilations([*headline, *(mixed or ())], args.compile_backend, size)
+        log(f"recompilation check: {check['recompilations']} recompilations in {check['elapsed_s']:.1f} s")
+
+    headline_paths, headline_first, _ = measured["headline"]
+    result: dict[str, object] = {
+        "benchmark": "swap",
+        "model": args.model,
+        "layers": _depth(args.model, args.layers),
+        "dtype": args.dtype,
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "rank": args.rank,
+        "max_rank": max_rank,
+        "target_modules": list(patterns),
+        "slot_layers": len(layer_names),
+        "adapter_bytes": _file_tensor_bytes(headline[0]),
+        "adapter_file_bytes": headline[0].stat().st_size,
+        "repeats": args.repeats,
+        "paths": headline_paths,
+        "first_swap_s": headline_first,
+        "ratios": ratios(headline_paths),
+    }
+    if mixed:
+        mixed_paths, mixed_first, mixed_by_target = measured["mixed_rank"]
+        directions = {}
+        for path in mixed:
+            key = f"to_{path.parent.name}"
+            paths_one_way = {name: by_target[key] for name, by_target in mixed_by_target.items()}
+            directions[key] = {"paths": paths_one_way, "ratios": ratios(paths_one_way)}
+        # Swaps alternate between the two, so the overall median is one direction's; read "by_direction".
+        result["mixed_rank"] = {
+            "ranks": list(args.mixed),
+            "adapter_bytes": [_file_tensor_bytes(path) for path in mixed],
+            "paths": mixed_paths,
+            "first_swap_s": mixed_first,
+            "by_direction": directions,
+        }
+    result["recompilations"] = None if check is None else check["recompilations"]
+    result["recompilation_check"] = check
+    result["setup_s"] = {"build_model": build_s, "write_adapters": write_s, "loraswap_install": install_s}
+    result["machine"] = machine_info()
+    result["elapsed_s"] = time.perf_counter() - run_started
+    if temp is not None:
+        temp.cleanup()
+    line = json.dumps(result)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    print(line, flush=True)
+    return result
+
+
+def _depth(model: str, layers: int | None) -> object:
+    """Which depth was measured: Flux's (double, single) blocks; 'full' for SDXL."""
+    if model == "random-flux":
+        from loraswap.engine.models.random_full import flux_depth
+
+        double, single = flux_depth(layers)
+        return {"double_blocks": double, "single_blocks": single, "full_depth": layers is None}
+    return "full" if model == "random-sdxl" else "tiny"
+
+
+if __name__ == "__main__":
+    main()

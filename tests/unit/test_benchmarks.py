@@ -1,0 +1,137 @@
+"""benchmarks/swap.py and benchmarks/serve.py run on tiny models and print well-formed JSON as their last line.
+
+They run as subprocesses, as a user would run them, with tiny arguments; the
+figures themselves are not asserted (they are benchmarks), only their shape
+and the invariants that must hold on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from benchmarks.swap import PATHS, write_lora_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SUMMARY_KEYS = {"median_s", "min_s", "max_s", "n"}
+RATIO_KEYS = {
+    "diffusers_hotswap_over_loraswap_warm",
+    "diffusers_load_unload_over_loraswap_warm",
+    "loraswap_warm_over_floor_copy",
+    "loraswap_cold_over_floor_read_copy",
+}
+
+
+def run_benchmark(module: str, *args: str) -> dict:
+    completed = subprocess.run(
+        [sys.executable, "-m", module, "--threads", "1", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def assert_summary(summary: dict, count: int) -> None:
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["n"] == count
+    assert 0 < summary["min_s"] <= summary["median_s"] <= summary["max_s"]
+
+
+def test_swap_benchmark_prints_every_path_and_ratio(tmp_path):
+    report = run_benchmark(
+        "benchmarks.swap", "--model", "tiny-sdxl", "--rank", "4", "--mixed-ranks", "2,4", "--repeats", "2",
+        "--json-out", str(tmp_path / "swap.json"),
+    )  # fmt: skip
+    assert report["model"] == "tiny-sdxl" and report["rank"] == 4 and report["torch_threads"] == 1
+    assert set(report["paths"]) == set(PATHS) == set(report["first_swap_s"])
+    for summary in report["paths"].values():
+        assert_summary(summary, 2)
+    assert RATIO_KEYS <= set(report["ratios"])
+    assert all(isinstance(value, float) and math.isfinite(value) for value in report["ratios"].values())
+    # 4 attention projections in each of tiny-sdxl's 12 attention modules, rank 4, bf16.
+    assert report["adapter_bytes"] == sum(
+        4 * (layer_in + layer_out) * 2 for layer_in, layer_out in _tiny_sdxl_attention_shapes()
+    )
+    mixed = report["mixed_rank"]
+    assert mixed["ranks"] == [2, 4] and set(mixed["paths"]) == set(PATHS)
+    assert set(mixed["by_direction"]) == {"to_r2-a", "to_r4-a"}
+    for direction in mixed["by_direction"].values():
+        assert set(direction["paths"]) == set(PATHS) and RATIO_KEYS <= set(direction["ratios"])
+    # Swaps alternate: of 2 kept swaps one goes each way.
+    assert_summary(mixed["by_direction"]["to_r2-a"]["paths"]["loraswap_warm"], 1)
+    # 4 adapters, then the base model, each followed by a compiled run.
+    assert report["recompilations"] == 0 and report["recompilation_check"]["swaps_checked"] == 5
+    assert json.loads((tmp_path / "swap.json").read_text()) == report
+
+
+def test_serve_benchmark_prints_latency_and_throughput():
+    report = run_benchmark(
+        "benchmarks.serve", "--model", "tiny-flux", "--steps", "3", "--repeats", "2", "--adapters", "4",
+        "--clients", "3", "--mix-requests", "6", "--compile-backend", "none",
+    )  # fmt: skip
+    assert report["model"] == "tiny-flux" and report["torch_threads"] == 1
+    assert_summary(report["time_to_first_progress"], 2)
+    per_step = report["per_step"]
+    assert_summary(per_step["direct"], 2 * 2)  # 2 timed requests x (3 steps - 1) intervals
+    assert_summary(per_step["streamed_client"], 2 * 2)
+    assert per_step["streamed_over_direct"] > 0
+    change = report["adapter_change"]
+    assert_summary(change["change"], 2) and assert_summary(change["keep"], 2)
+    assert change["server_swap"]["min_s"] > 0  # every "change" request really swapped
+    throughput = report["throughput"]
+    assert throughput["requests"] == 6 and throughput["clients"] == 3 and throughput["images_per_s"] > 0
+    assert report["recompilations"] == 0
+
+
+def test_lora_files_load_as_the_pipeline_expects(tmp_path):
+    """The benchmark's adapters are real diffusers LoRA files: diffusers loads them onto every targeted layer."""
+    from loraswap.engine.models import build_builtin_pipeline
+    from loraswap.engine.pipeline import resolve_target_layers
+
+    pipe = build_builtin_pipeline("tiny-sdxl")
+    patterns = ("to_q", "to_k", "to_v", "to_out.0")
+    layers = resolve_target_layers(pipe.unet, patterns)
+    path = write_lora_file(pipe, layers, tmp_path / "r4", rank=4, patterns=patterns, seed=1)
+    pipe.load_lora_weights(str(path.parent), adapter_name="bench")
+    for name in layers:
+        module = pipe.unet.get_submodule(name)
+        assert module.lora_A["bench"].weight.shape[0] == 4
+        assert torch.count_nonzero(module.lora_B["bench"].weight) > 0
+
+
+def _tiny_sdxl_attention_shapes() -> list[tuple[int, int]]:
+    from loraswap.engine.models import build_builtin_pipeline
+    from loraswap.engine.pipeline import resolve_target_layers
+
+    unet = build_builtin_pipeline("tiny-sdxl").unet
+    layers = resolve_target_layers(unet, ("to_q", "to_k", "to_v", "to_out.0"))
+    return [(unet.get_submodule(n).in_features, unet.get_submodule(n).out_features) for n in layers]
+
+
+@pytest.mark.parametrize(
+    ("name", "layers"),
+    [("random-sdxl", 2), ("random-flux", 0), ("random-flux", 20), ("tiny-flux", None), ("random-sd15", None)],
+)
+def test_random_full_models_refuse_what_they_cannot_build(name, layers):
+    from loraswap.engine.models.random_full import build_random_denoiser
+
+    with pytest.raises(ValueError):
+        build_random_denoiser(name, layers=layers)
+
+
+def test_random_flux_has_flux1_layer_shapes_at_reduced_depth():
+    from loraswap.engine.models.random_full import build_random_denoiser
+
+    transformer = build_random_denoiser("random-flux", torch.bfloat16, layers=1)
+    assert (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)) == (1, 2)
+    attention = transformer.transformer_blocks[0].attn
+    assert (attention.to_q.in_features, attention.to_q.out_features) == (3072, 3072)
+    assert transformer.context_embedder.in_features == 4096  # T5-XXL width
+    assert transformer.x_embedder.in_features == 64
+    weights = attention.to_q.weight
+    assert weights.dtype == torch.bfloat16 and 0.015 < weights.float().std().item() < 0.025
