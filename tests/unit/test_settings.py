@@ -40,6 +40,7 @@ OPTIONS = [
      Settings(engine=_engine(adapter_cache_bytes=2000))),
     ("--max-queue", "LORASWAP_MAX_QUEUE", "3", Settings(engine=_engine(max_queue=3))),
     ("--max-bypass", "LORASWAP_MAX_BYPASS", "0", Settings(engine=_engine(max_bypass=0))),
+    ("--layers", "LORASWAP_LAYERS", "8", Settings(engine=_engine(layers=8))),
     ("--max-size", "LORASWAP_MAX_SIZE", "512", Settings(engine=_engine(max_size=512))),
     ("--torch-threads", "LORASWAP_TORCH_THREADS", "2", Settings(engine=_engine(torch_threads=2))),
     ("--grace-seconds", "LORASWAP_GRACE_SECONDS", "2.5", Settings(engine=_engine(), grace_seconds=2.5)),
@@ -88,7 +89,7 @@ def test_environment_sets_the_default(flag: str, env: str, text: str, expected: 
 @pytest.mark.parametrize(("flag", "env", "text", "expected"), OPTIONS, ids=[o[0] for o in OPTIONS])
 def test_flag_overrides_environment(flag: str, env: str, text: str, expected: Settings) -> None:
     other = {"--port": "7", "--max-rank": "8", "--max-adapter-bytes": "9", "--adapter-cache-bytes": "9",
-             "--max-queue": "9", "--max-bypass": "9", "--max-size": "9", "--torch-threads": "9", "--grace-seconds": "9.0"}  # fmt: skip
+             "--max-queue": "9", "--max-bypass": "9", "--layers": "9", "--max-size": "9", "--torch-threads": "9", "--grace-seconds": "9.0"}  # fmt: skip
     assert _settings([flag, text], {env: other.get(flag, "from-environment")}) == expected
 
 

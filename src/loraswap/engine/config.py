@@ -15,6 +15,7 @@ class EngineConfig:
     """How to load, prepare and run the resident pipeline and its adapters."""
 
     model: str = "tiny-flux"
+    layers: int | None = None  # random-flux only: double-stream blocks kept (single-stream: twice that)
     device: str | None = None  # None: cuda when available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     max_rank: int = DEFAULT_MAX_RANK

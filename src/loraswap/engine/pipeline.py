@@ -74,9 +74,12 @@ class ModelDefaults:
 def _defaults_for(model: str, pipe) -> ModelDefaults:
     """The built-in's defaults, a model folder's loraswap_generation.json, or the family's published ones."""
     from loraswap.engine.models import BUILTIN_MODELS, GENERATION_DEFAULTS_FILE, builtin_defaults
+    from loraswap.engine.models.random_full import RANDOM_FULL_MODELS, random_full_defaults
 
     if model in BUILTIN_MODELS:
         values = builtin_defaults(model)
+    elif model in RANDOM_FULL_MODELS:
+        values = random_full_defaults(model)
     elif (Path(model) / GENERATION_DEFAULTS_FILE).is_file():
         values = json.loads((Path(model) / GENERATION_DEFAULTS_FILE).read_text())
     elif hasattr(pipe, "transformer"):
@@ -102,20 +105,30 @@ def _resolve_device(config: EngineConfig) -> torch.device:
 
 
 def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    from loraswap.engine.models.random_full import RANDOM_FULL_MODELS
+
     if config.dtype:
         dtype = getattr(torch, config.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown --dtype {config.dtype!r}; use float32, float16 or bfloat16")
         return dtype
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    # Full-size random models only fit this machine's memory in bf16, and they exist to measure bf16 serving.
+    if device.type == "cuda" or config.model in RANDOM_FULL_MODELS:
+        return torch.bfloat16
+    return torch.float32
 
 
-def load_pipeline(model: str, dtype: torch.dtype):
-    """A built-in tiny model by name, or a diffusers pipeline folder / Hub id via from_pretrained."""
+def load_pipeline(model: str, dtype: torch.dtype, layers: int | None = None):
+    """A built-in model by name (tiny, trained or full-size random), or a diffusers folder / Hub id."""
     from diffusers import DiffusionPipeline
 
     from loraswap.engine.models import BUILTIN_MODELS, build_builtin_pipeline
+    from loraswap.engine.models.random_full import RANDOM_FULL_MODELS, build_random_pipeline
 
+    if model in RANDOM_FULL_MODELS:
+        return build_random_pipeline(model, torch_dtype=dtype, layers=layers)
+    if layers is not None:
+        raise ValueError(f"--layers applies to random-flux only, not to {model!r}")
     if model in BUILTIN_MODELS:
         return build_builtin_pipeline(model, torch_dtype=dtype)
     return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
@@ -187,7 +200,7 @@ class DiffusionRuntime:
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
         started = time.perf_counter()
-        self.pipe = load_pipeline(config.model, self.dtype)
+        self.pipe = load_pipeline(config.model, self.dtype, config.layers)
         self.family = family_of(self.pipe)
         self.defaults = _defaults_for(config.model, self.pipe)
         self.pipe.set_progress_bar_config(disable=True)

@@ -61,6 +61,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
         )
 
     flag("--model", "tiny-flux", help="built-in model (tiny-flux, tiny-sdxl), a diffusers folder, or a Hub id")
+    flag("--layers", None, type=int, help="random-flux only: keep N double-stream (2N single) blocks")
     flag("--host", "[::]", help="address to listen on")
     flag("--port", 50051, type=int, help="port to listen on; 0 lets the OS pick")
     flag("--adapter-dir", None, help="directory of adapter files that requests may name")
@@ -88,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
         engine=EngineConfig(
             model=args.model,
+            layers=args.layers,
             device=args.device,
             dtype=args.dtype,
             max_rank=args.max_rank,
