@@ -20,8 +20,8 @@ from loraswap.engine.models import (
     export_builtin_model,
 )
 
-PIPELINE_CLASSES = {"tiny-flux": FluxPipeline, "tiny-sdxl": StableDiffusionXLPipeline}
-DENOISER = {"tiny-flux": "transformer", "tiny-sdxl": "unet"}
+PIPELINE_CLASSES = {"shapes": FluxPipeline, "tiny-flux": FluxPipeline, "tiny-sdxl": StableDiffusionXLPipeline}
+DENOISER = {"shapes": "transformer", "tiny-flux": "transformer", "tiny-sdxl": "unet"}
 PROMPT = "a photo of a cat, Größe 日本語 🙂"
 
 

@@ -2,8 +2,8 @@
 
 It needs no model: every pixel takes the nearest palette color, the background is
 the majority color of the border, the shape color is the majority of the rest, and
-the shape comes from the rows the shape spans (fill ratio of its bounding box and
-how the row widths grow from top to bottom).  The same palette draws the training
+the shape comes from the rows the shape spans (how the row widths grow from top
+to bottom, and how much of the bounding box's corners they fill).  The same palette draws the training
 images, so the classifier and the data generator can never disagree on a color.
 """
 
@@ -94,9 +94,12 @@ def classify_image(image: np.ndarray) -> ShapeReading:
     hollow = bool(box[spans].mean() < _HOLLOW_BELOW)
     upper = widths[int(height * 0.2) : int(height * 0.35) + 1].mean()
     lower = widths[int(height * 0.65) : int(height * 0.8) + 1].mean()
+    # A square fills the corners of its bounding box, a circle leaves them (all but ~15%) empty.
+    k, j = max(1, round(0.2 * height)), max(1, round(0.2 * width))
+    corners = np.mean([spans[:k, :j].mean(), spans[:k, -j:].mean(), spans[-k:, :j].mean(), spans[-k:, -j:].mean()])
     if upper < 0.6 * lower:
         shape = "triangle"
-    elif fill > 0.9:
+    elif corners > 0.6:
         shape = "square"
     else:
         shape = "circle"

@@ -1,0 +1,1 @@
+"""Scripts that train the `shapes` model and its demo adapters from scratch (never run in CI)."""
