@@ -9,7 +9,7 @@ import json
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the make-adapter and export-model subcommands."""
     make = subparsers.add_parser("make-adapter", help="write a random LoRA (diffusers format, written by PEFT)")
-    make.add_argument("--model", default="tiny-flux", help="built-in model name or a diffusers pipeline folder")
+    make.add_argument("--model", default="shapes", help="built-in model name or a diffusers pipeline folder")
     make.add_argument("--rank", type=int, default=8)
     make.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank)")
     make.add_argument("--target-modules", default="to_q,to_k,to_v,to_out.0", help="comma-separated layer suffixes")
@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     make.set_defaults(func=run_make_adapter)
 
     export = subparsers.add_parser("export-model", help="write a built-in model as a diffusers pipeline folder")
-    export.add_argument("name", help="built-in model name (tiny-flux, tiny-sdxl)")
+    export.add_argument("name", help="built-in model name (shapes, tiny-flux, tiny-sdxl)")
     export.add_argument("directory")
     export.set_defaults(func=run_export_model)
 

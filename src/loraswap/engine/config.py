@@ -14,7 +14,7 @@ DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 class EngineConfig:
     """How to load, prepare and run the resident pipeline and its adapters."""
 
-    model: str = "tiny-flux"
+    model: str = "shapes"
     layers: int | None = None  # random-flux only: double-stream blocks kept (single-stream: twice that)
     device: str | None = None  # None: cuda when available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu

@@ -60,7 +60,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             name, default=value, action=argparse.BooleanOptionalAction, help=f"{help_text} [env {_env_name(name)}]"
         )
 
-    flag("--model", "tiny-flux", help="built-in model (tiny-flux, tiny-sdxl), a diffusers folder, or a Hub id")
+    flag(
+        "--model",
+        "shapes",
+        help="built-in model (shapes, tiny-flux, tiny-sdxl, random-sdxl, random-flux), a diffusers folder, or a Hub id",
+    )
     flag("--layers", None, type=int, help="random-flux only: keep N double-stream (2N single) blocks")
     flag("--host", "[::]", help="address to listen on")
     flag("--port", 50051, type=int, help="port to listen on; 0 lets the OS pick")
