@@ -46,11 +46,32 @@ def store_dir(tmp_path_factory):
     outside_dir = tmp_path_factory.mktemp("elsewhere")
     write_random_adapter(flux, outside_dir / "secret", rank=4, seed=6)
     os.symlink(outside_dir / "secret", root / "escape")
+    _write_with_text_encoder(flux, root / "with-text-encoder")
     (root / "kohya-flux").mkdir()
     layout = {**_flux_double(0), **_flux_double(1), **FLUX_SINGLE}
     _kohya_file(root / "kohya-flux" / "pytorch_lora_weights.safetensors",
                 {module: (i, o) for module, (i, o, _) in layout.items()}, rank=4, seed=7)
     return root  # fmt: skip
+
+
+def _write_with_text_encoder(pipe, directory):
+    """A PEFT adapter on the transformer plus CLIP text-encoder LoRA factors, saved the diffusers way."""
+    from diffusers import FluxPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    torch.manual_seed(11)
+    pipe.transformer.add_adapter(LoraConfig(r=4, target_modules=["to_q"], init_lora_weights=False), "t")
+    transformer_layers = get_peft_model_state_dict(pipe.transformer, adapter_name="t")
+    pipe.transformer.delete_adapters("t")
+    width = pipe.text_encoder.config.hidden_size
+    text_encoder_layers = {
+        "text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, width),
+        "text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(width, 4),
+    }
+    FluxPipeline.save_lora_weights(
+        directory, transformer_lora_layers=transformer_layers, text_encoder_lora_layers=text_encoder_layers
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -247,3 +268,27 @@ async def test_concurrent_first_requests_load_an_adapter_once(client):
     assert len(load_times) == 1 and load_times.pop() > 0  # one load, shared by all six
     assert not any(result.already_cached for result in preloads)
     assert (await client.preload_adapter("third")).already_cached
+
+
+async def test_text_encoder_layers_are_dropped_with_a_warning_in_preload_and_image(client):
+    preloaded = await client.preload_adapter("with-text-encoder")
+    (warning,) = preloaded.adapter.warnings
+    assert "text_encoder" in warning and "ignored" in warning
+    assert all(layer.endswith("to_q") for layer in preloaded.adapter.target_layers)
+    image = await client.generate_image("a bridge", adapter="with-text-encoder", seed=1, num_inference_steps=2)
+    assert image.warnings == (warning,)
+
+
+async def test_strict_adapters_refuse_text_encoder_layers(store_dir):
+    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, strict_adapters=True))
+    try:
+        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
+            with pytest.raises(LoraswapError) as caught:
+                await client.generate_image("a bridge", adapter="with-text-encoder", seed=1, num_inference_steps=2)
+            assert (caught.value.code, caught.value.reason) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "ADAPTER_TEXT_ENCODER_LAYERS",
+            )
+            assert "--strict-adapters" in caught.value.message
+    finally:
+        await running.stop(1.0)

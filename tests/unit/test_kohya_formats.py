@@ -337,3 +337,18 @@ def test_sdxl_kohya_minority_attention_alpha(specs: dict[str, SlotSpec], tmp_pat
     path = tmp_path / "kohya_sdxl_alpha.safetensors"
     tensors = _kohya_file(path, modules, alphas=alphas | {to_q: 16.0})
     _assert_same_deltas(_canonical_deltas(_load(path, specs["tiny-sdxl"])), _kohya_deltas(tensors, mapping))
+
+
+def test_flux_comfyui_prefixed_file_matches_diffusers(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
+    """ComfyUI saves kohya-named Flux LoRAs under a `diffusion_model.` prefix; diffusers reads it, so do we."""
+    layout = {**_flux_double(0), **FLUX_SINGLE}
+    kohya_path = tmp_path / "kohya.safetensors"
+    tensors = _kohya_file(kohya_path, {m: (i, o) for m, (i, o, _) in layout.items()})
+    comfy = {key.replace("lora_unet_", "diffusion_model.", 1): value for key, value in tensors.items()}
+    path = tmp_path / "comfyui.safetensors"
+    save_file(comfy, path)
+    adapter = _load(path, specs["tiny-flux"])
+    _assert_same_deltas(_canonical_deltas(adapter), _diffusers_deltas("tiny-flux", path))
+    _assert_same_deltas(
+        _canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
+    )
