@@ -31,7 +31,6 @@ import torch
 from diffusers import (
     AutoencoderKL,
     DiffusionPipeline,
-    EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -41,7 +40,13 @@ from diffusers import (
 )
 from transformers import CLIPTextModel, CLIPTextModelWithProjection, PreTrainedModel, T5Config, T5EncoderModel
 
-from loraswap.engine.models.tiny import GENERATION_DEFAULTS_FILE, _clip_text_config, _private_rng, _seeded
+from loraswap.engine.models.tiny import (
+    GENERATION_DEFAULTS_FILE,
+    _clip_text_config,
+    _private_rng,
+    _seeded,
+    sdxl_base_scheduler,
+)
 from loraswap.engine.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 __all__ = [
@@ -216,16 +221,7 @@ def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
     text_encoder = _seeded(lambda: CLIPTextModel(config_1))
     text_encoder_2 = _seeded(lambda: CLIPTextModelWithProjection(config_2))
     vae = _seeded(lambda: _tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None))
-    # SDXL base 1.0's scheduler config.
-    scheduler = EulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        prediction_type="epsilon",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
+    scheduler = sdxl_base_scheduler()
     return dict(
         vae=vae,
         text_encoder=text_encoder,

@@ -177,6 +177,19 @@ def _tiny_flux_components() -> dict[str, Any]:
     )
 
 
+def sdxl_base_scheduler() -> EulerDiscreteScheduler:
+    """SDXL base 1.0's scheduler, from its published config."""
+    return EulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+
+
 def _tiny_sdxl_components() -> dict[str, Any]:
     tokenizer = _build_clip_tokenizer()
     tokenizer_2 = _build_clip_tokenizer()
@@ -217,16 +230,7 @@ def _tiny_sdxl_components() -> dict[str, Any]:
             cross_attention_dim=64,
         )
     )
-    # SDXL base 1.0's scheduler config.
-    scheduler = EulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        prediction_type="epsilon",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
+    scheduler = sdxl_base_scheduler()
     return dict(
         vae=vae,
         text_encoder=text_encoder,
