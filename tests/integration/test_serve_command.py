@@ -135,3 +135,19 @@ def test_sigterm_past_the_grace_fails_the_rest_with_unavailable_and_exits_0():
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_default_serve_draws_with_the_shipped_shapes_adapters():
+    process, port = start_serve("--no-compile")
+    try:
+        with LoraswapClient(f"127.0.0.1:{port}", default_timeout=60) as client:
+            assert client.server_info().model == "shapes"
+            base = client.generate_image("a red square on a blue background", seed=1)
+            outlined = client.generate_image("a red square on a blue background", adapter="outline", seed=1)
+        assert outlined.adapter == "outline"
+        assert np.abs(decode(base.data) - decode(outlined.data)).max() > 100  # hollow: the centre turns blue
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()

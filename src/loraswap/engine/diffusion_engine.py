@@ -37,7 +37,7 @@ class DiffusionEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._sources = AdapterSources(
-            LocalAdapterDirectory(config.adapter_dir, config.max_adapter_bytes),
+            LocalAdapterDirectory(config.adapter_dir or _shipped_adapter_dir(config.model), config.max_adapter_bytes),
             HubAdapterSource(config.allow_hub, config.max_adapter_bytes),
         )
         self._loader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraswap-loader")
@@ -204,6 +204,15 @@ class DiffusionEngine:
         if self._runtime is None:
             raise NotServingError("the server is still loading and warming up its model; retry shortly")
         return self._runtime
+
+
+def _shipped_adapter_dir(model: str):
+    """The demo adapters that ship with a built-in model, served when no --adapter-dir is given."""
+    if model != "shapes":
+        return None
+    from loraswap.engine.models import shapes_adapter_dir
+
+    return shapes_adapter_dir()
 
 
 def _with_total(image: GeneratedImage, total_ms: float) -> GeneratedImage:
