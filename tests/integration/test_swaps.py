@@ -53,7 +53,7 @@ def assert_all_distinct(images):
             assert effect >= MIN_ADAPTER_EFFECT, f"{first} and {second} look alike (max diff {effect})"
 
 
-async def test_flux_swaps_match_fresh_diffusers_without_recompiling(flux_client, flux_reference):
+async def test_flux_swaps_match_fresh_diffusers_without_recompiling(flux_client, flux_reference, flux_server):
     info = await flux_client.server_info()
     assert info.compiled and info.family == "flux"
     before = info.recompilations
@@ -61,6 +61,8 @@ async def test_flux_swaps_match_fresh_diffusers_without_recompiling(flux_client,
     assert_all_distinct(images)
     after = await flux_client.server_info()
     assert before == 0 and after.recompilations == 0
+    # The slot's invariant after every swap: nothing but zeros beyond each layer's resident rank.
+    assert flux_server.engine._runtime.slot.is_clean_beyond_resident()
 
 
 async def test_sdxl_swaps_match_fresh_diffusers_without_recompiling(sdxl_client, sdxl_reference):

@@ -69,7 +69,6 @@ class HotswapSlot:
             self._layers[name] = _LiveLayer(a=a.data, b=b.data)
         self.resident: CanonicalAdapter | None = None
         self.resident_scale = 1.0
-        self.swaps = 0
 
     @property
     def layer_names(self) -> list[str]:
@@ -123,7 +122,6 @@ class HotswapSlot:
             torch.cuda.current_stream(first.a.device).synchronize()
         self.resident = adapter
         self.resident_scale = scale if adapter is not None else 1.0
-        self.swaps += 1
         return (time.perf_counter() - started) * 1000.0
 
     def is_clean_beyond_resident(self) -> bool:
