@@ -31,7 +31,6 @@ import torch
 from diffusers import (
     AutoencoderKL,
     DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
     ModelMixin,
@@ -45,6 +44,7 @@ from loraswap.engine.models.tiny import (
     _clip_text_config,
     _private_rng,
     _seeded,
+    flux_dev_scheduler,
     sdxl_base_scheduler,
 )
 from loraswap.engine.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
@@ -261,16 +261,7 @@ def _flux_components(transformer: ModelMixin) -> dict[str, Any]:
         )
     )
     vae = _seeded(lambda: _tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159))
-    # FLUX.1-dev's scheduler config.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = flux_dev_scheduler()
     return dict(
         scheduler=scheduler,
         vae=vae,

@@ -156,16 +156,7 @@ def _tiny_flux_components() -> dict[str, Any]:
             axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
         )
     )
-    # FLUX.1-dev's scheduler config (resolution-dependent shift).
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = flux_dev_scheduler()
     return dict(
         scheduler=scheduler,
         vae=vae,
@@ -174,6 +165,19 @@ def _tiny_flux_components() -> dict[str, Any]:
         text_encoder_2=text_encoder_2,
         tokenizer_2=tokenizer_2,
         transformer=transformer,
+    )
+
+
+def flux_dev_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """FLUX.1-dev's scheduler, from its published config (resolution-dependent shift)."""
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
     )
 
 
