@@ -351,6 +351,25 @@ REFUSALS = [
         AdapterFormatError, "ADAPTER_NOT_FINITE", id="inf",
     ),
     pytest.param(
+        # Finite in float32, but 8x (the largest strength) is not: the slot needs lora_B finite at any strength.
+        _flux(lambda t: _edited(t, lambda d: _replace(d, "lora_B", lambda v: _poison(v, 1e38)))),
+        AdapterFormatError, "ADAPTER_OUT_OF_RANGE", id="b_overflows_at_max_strength",
+    ),
+    pytest.param(
+        lambda t, s: (
+            _edited(t, lambda d: _replace(d, "lora_A", lambda v: _poison(v, 1e6))),
+            dataclasses.replace(s["tiny-flux"], dtype=torch.float16),
+        ),
+        AdapterFormatError, "ADAPTER_OUT_OF_RANGE", id="a_overflows_float16",
+    ),
+    pytest.param(
+        lambda t, s: (
+            _edited(t, lambda d: _replace(d, "lora_B", lambda v: _poison(v, 10000.0))),
+            dataclasses.replace(s["tiny-flux"], dtype=torch.float16),
+        ),
+        AdapterFormatError, "ADAPTER_OUT_OF_RANGE", id="b_overflows_float16_at_max_strength",
+    ),
+    pytest.param(
         _flux(lambda t: _edited(t, lambda d: {k: v for k, v in d.items() if k != _first(d, "lora_B")})),
         AdapterFormatError, "ADAPTER_MALFORMED", id="lora_a_without_lora_b",
     ),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from loraswap.engine.adapters.canonical import CanonicalAdapter, SlotSpec
+from loraswap.engine.adapters.canonical import MAX_ADAPTER_SCALE, CanonicalAdapter, SlotSpec
 from loraswap.engine.adapters.slot import HotswapSlot
 from loraswap.engine.config import EngineConfig
 from loraswap.engine.errors import GenerationCancelledError, InvalidRequestError
@@ -53,7 +53,6 @@ DEFAULT_TARGET_MODULES = {
 
 MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
-MAX_ADAPTER_SCALE = 8.0
 MAX_PROMPT_CHARS = 4000
 JPEG_QUALITY = 95
 

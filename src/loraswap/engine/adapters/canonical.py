@@ -3,9 +3,11 @@
 A canonical adapter holds, for each layer it changes, `a` (rank x in) and `b`
 (out x rank) in the model's dtype with alpha/rank (and any per-layer alpha)
 already multiplied into `b`. The live swap slot is max-rank wide on every
-targeted layer; a canonical adapter is its zero-padded content stored without
-the padding (the padding is written as zeros by the slot), so a swap is only
-in-place copies: no key conversion, no config, no scale bookkeeping.
+targeted layer; a canonical adapter is stored at its own rank and the slot
+gates off the ranks beyond it, so a swap is only in-place copies: no key
+conversion, no config, no scale bookkeeping. Both factors are checked finite
+in the model's dtype, and `b` finite at every allowed strength, which is what
+makes the slot's gating exact.
 
 Reading goes through diffusers' own `lora_state_dict` converters (kohya,
 A1111, ComfyUI, xlabs, ... to diffusers keys) and the same alpha rules as
@@ -30,6 +32,9 @@ from loraswap.engine.types import ModelFamily
 # diffusers stores the LoraConfig of each component in this safetensors metadata key.
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 DENOISER_PREFIX = {ModelFamily.FLUX: "transformer", ModelFamily.SDXL: "unet"}
+# The largest |strength| a request may ask for (the request check is pipeline.py's); canonical
+# lora_B factors are refused if this multiple of them would overflow the model's dtype.
+MAX_ADAPTER_SCALE = 8.0
 
 
 @dataclass(frozen=True)
@@ -182,16 +187,44 @@ def _check_factor_pairs(state_dict: dict[str, torch.Tensor]) -> None:
         raise AdapterFormatError("the adapter holds no LoRA factor pairs (lora_A/lora_B) for the denoiser")
 
 
-def _check_tensor(key: str, tensor: torch.Tensor) -> None:
+def _check_dtype(key: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point():
         raise AdapterFormatError(
             f"tensor {key} has dtype {tensor.dtype}; LoRA weights must be floating point",
             reason="ADAPTER_BAD_DTYPE",
         )
+
+
+def _refuse_non_finite(key: str, raw: torch.Tensor, converted: torch.Tensor) -> None:
+    """Raise the error that says why `converted` (the model-dtype form of `raw`) has a non-finite value."""
+    if not torch.isfinite(raw).all():
+        raise AdapterFormatError(f"tensor {key} holds NaN or infinite values", reason="ADAPTER_NOT_FINITE")
+    raise AdapterFormatError(
+        f"tensor {key} has values too large for the model's dtype {str(converted.dtype).removeprefix('torch.')}",
+        reason="ADAPTER_OUT_OF_RANGE",
+    )
+
+
+def _check_a(key: str, raw: torch.Tensor, a: torch.Tensor) -> None:
     # One reduction instead of an element-wise pass: any NaN or inf makes the sum non-finite.
     # A finite tensor whose sum overflows only costs the exact check below.
-    if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
-        raise AdapterFormatError(f"tensor {key} holds NaN or infinite values", reason="ADAPTER_NOT_FINITE")
+    if not torch.isfinite(a.sum()) and not torch.isfinite(a).all():
+        _refuse_non_finite(key, raw, a)
+
+
+def _check_b(key: str, raw: torch.Tensor, b: torch.Tensor) -> None:
+    """lora_B must stay finite at every allowed strength: the slot relies on that (see slot.py)."""
+    low, high = torch.aminmax(b)  # one pass; NaN propagates, inf shows up in low or high
+    largest = max(-float(low), float(high))
+    if not math.isfinite(largest):
+        _refuse_non_finite(key, raw, b)
+    limit = torch.finfo(b.dtype).max / MAX_ADAPTER_SCALE
+    if largest > limit:
+        raise AdapterFormatError(
+            f"tensor {key} has values up to {largest:.3g}; at the largest strength ({MAX_ADAPTER_SCALE}) they would "
+            f"overflow the model's dtype {str(b.dtype).removeprefix('torch.')}, so values must stay within {limit:.3g}",
+            reason="ADAPTER_OUT_OF_RANGE",
+        )
 
 
 def _canonical_layers(
@@ -221,8 +254,8 @@ def _canonical_layers(
         if b_key not in state_dict:
             raise AdapterFormatError(f"layer {module} has lora_A but no lora_B")
         a, b = state_dict[a_key], state_dict[b_key]
-        _check_tensor(a_key, a)
-        _check_tensor(b_key, b)
+        _check_dtype(a_key, a)
+        _check_dtype(b_key, b)
         in_features, out_features = spec.layer_shapes[module]
         rank = a.shape[0]
         if a.ndim != 2 or b.ndim != 2 or b.shape[1] != rank:
@@ -249,7 +282,10 @@ def _canonical_layers(
             baked_b = b.to(spec.dtype)
         else:  # bake in float32 so the product rounds once, to the model's dtype
             baked_b = (b.to(torch.float32) * scaling).to(spec.dtype)
-        a = a.to(spec.dtype)
+        converted_a = a.to(spec.dtype)
+        _check_a(a_key, a, converted_a)
+        _check_b(b_key, b, baked_b)
+        a = converted_a
         if spec.pin_memory:
             a, baked_b = a.pin_memory(), baked_b.pin_memory()
         layers[module] = CanonicalLayer(a=a.contiguous(), b=baked_b.contiguous())

@@ -1,0 +1,100 @@
+"""The swap slot's rank gates: what a previous adapter leaves beyond the new rank has exactly no effect.
+
+The slot never clears stale ranks; it closes them. These tests put a
+high-rank adapter with large values into the slot, swap to a lower-rank one
+(or to the base model), and compare every slot layer's output bit for bit
+with a freshly installed slot that never held anything else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraswap.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+from loraswap.engine.adapters.slot import HotswapSlot, RankGatedLinear
+from loraswap.engine.models import build_builtin_pipeline
+from loraswap.engine.pipeline import DEFAULT_TARGET_MODULES, resolve_target_layers
+from loraswap.engine.types import ModelFamily
+
+torch.set_num_threads(1)
+
+MAX_RANK = 16
+
+
+def _denoiser_with_slot(dtype: torch.dtype):
+    transformer = build_builtin_pipeline("tiny-flux").transformer.to(dtype)
+    layers = resolve_target_layers(transformer, tuple(DEFAULT_TARGET_MODULES[ModelFamily.FLUX]))
+    slot = HotswapSlot.install(transformer, layers, MAX_RANK, dtype, torch.device("cpu"))
+    return transformer, layers, slot
+
+
+def _adapter(transformer, layers, rank: int, magnitude: float, dtype: torch.dtype, seed: int) -> CanonicalAdapter:
+    generator = torch.Generator().manual_seed(seed)
+    canonical = {}
+    for name in layers:
+        base = transformer.get_submodule(name).base_layer
+        a = torch.randn(rank, base.in_features, generator=generator) * magnitude
+        b = torch.randn(base.out_features, rank, generator=generator) * magnitude
+        canonical[name] = CanonicalLayer(a=a.to(dtype), b=b.to(dtype))
+    return CanonicalAdapter(name=f"r{rank}", source="test", layers=canonical, warnings=(), load_ms=0.0)
+
+
+@torch.no_grad()
+def _outputs(transformer, layers, x_by_layer) -> dict[str, torch.Tensor]:
+    return {name: transformer.get_submodule(name)(x_by_layer[name]) for name in layers}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stale_magnitude"),
+    [
+        pytest.param(torch.float32, 3.0, id="float32"),
+        # float16: the stale ranks' projection A @ x overflows to inf; a multiplicative mask
+        # would turn it into NaN, the gate must not.
+        pytest.param(torch.float16, 2000.0, id="float16-overflowing-stale-ranks"),
+    ],
+)
+def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype, stale_magnitude):
+    transformer, layers, slot = _denoiser_with_slot(dtype)
+    fresh_transformer, _, fresh_slot = _denoiser_with_slot(dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = {
+        name: (torch.randn(2, 3, transformer.get_submodule(name).in_features, generator=generator) * 4).to(dtype)
+        for name in layers
+    }
+    high = _adapter(transformer, layers, MAX_RANK, stale_magnitude, dtype, seed=1)
+    low = _adapter(transformer, layers, 4, 0.1, dtype, seed=2)
+    partial = CanonicalAdapter(
+        name="partial", source="test", layers={layers[0]: low.layers[layers[0]]}, warnings=(), load_ms=0.0
+    )
+
+    slot.load(high, 1.5)
+    if dtype is torch.float16:
+        assert not torch.isfinite(_outputs(transformer, layers, x)[layers[0]]).all(), "stale ranks must overflow"
+    base = _outputs(fresh_transformer, layers, x)
+
+    for adapter, scale in [(low, 0.7), (None, 1.0), (high, 1.0), (partial, 1.0), (low, 1.0)]:
+        slot.load(high, 2.0)  # the stale values every case starts from
+        slot.load(adapter, scale)
+        fresh_slot.load(None)
+        fresh_slot.load(adapter, scale)
+        live, expected = _outputs(transformer, layers, x), _outputs(fresh_transformer, layers, x)
+        for name in layers:
+            # Bit for bit; NaN only where the fresh slot has it too (the high-rank adapter itself, in float16).
+            torch.testing.assert_close(live[name], expected[name], rtol=0, atol=0, equal_nan=True)
+            if adapter is not high:
+                assert torch.isfinite(live[name]).all(), (adapter and adapter.name, name)
+        if adapter is None:
+            assert all(torch.equal(live[name], base[name]) for name in layers)
+        assert slot.gates_match_resident()
+        # Nothing was cleared: the stale ranks still hold the high-rank adapter's values.
+        a = transformer.get_submodule(layers[-1]).lora_A["loraswap_slot"].weight
+        assert a[4:].abs().max() > 0
+
+
+def test_slot_layers_are_gated_and_the_gate_is_not_saved():
+    transformer, layers, slot = _denoiser_with_slot(torch.float32)
+    for name in layers:
+        assert isinstance(transformer.get_submodule(name).lora_A["loraswap_slot"], RankGatedLinear)
+    assert not any("rank_gate" in key for key in transformer.state_dict())
+    assert slot.gates_match_resident()
