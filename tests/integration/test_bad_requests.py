@@ -17,6 +17,8 @@ BAD_GENERATES = [
     (dict(num_inference_steps=100000), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "1 to 200"),
     (dict(width=66), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "multiple of 4"),
     (dict(height=0), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "height"),
+    # One packed token: below GetServerInfo.min_size (8 on tiny-flux), so refused rather than compiled.
+    (dict(width=4, height=4), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "between 8 and"),
     (dict(width=100000), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "width"),
     (dict(guidance_scale=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "guidance_scale"),
     (dict(adapter="r4-attn", adapter_scale=100.0), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST", "adapter_scale"),

@@ -164,6 +164,7 @@ class FakeDiffusionService(pb_grpc.DiffusionServiceServicer):
             recompilations=0,
             resident_adapter="styles/ink",
             size_multiple=16,
+            min_size=32,
             max_size=1024,
             default_width=64,
             default_height=48,
@@ -365,6 +366,7 @@ async def test_unary_calls_return_typed_results(client: AsyncLoraswapClient) -> 
     assert adapters == AdapterList(adapters=(CACHED_ADAPTER,), cache_bytes=4096, cache_budget_bytes=1 << 30)
     assert freed_bytes == CACHED_ADAPTER.size_bytes
     assert (info.family, info.default_guidance_scale, info.target_layers) == ("sdxl", 7.5, ("down.0.attn1.to_q",))
+    assert (info.size_multiple, info.min_size, info.max_size) == (16, 32, 1024)
 
 
 async def test_server_errors_raise_typed_errors_chained_to_the_rpc_error(client: AsyncLoraswapClient) -> None:

@@ -45,6 +45,33 @@ async def run_sequence(client, reference, sequence, guidance):
     return images
 
 
+# After warm-up, no size from min_size up and no guidance setting compiles a new graph. The SDXL sizes
+# include those that used to (float32 convolutions guarding on C*H*W at batch 1, i.e. guidance off).
+SDXL_SIZES = [(8, 8), (48, 48), (72, 72), (88, 88), (104, 104), (144, 144), (8, 136), (200, 48), (120, 72)]
+FLUX_SIZES = [(8, 8), (8, 12), (12, 8), (60, 60), (100, 36), (132, 124), (256, 64)]
+
+
+async def assert_no_compile_at_any_size(client, sizes):
+    info = await client.server_info()
+    assert min(min(size) for size in sizes) == info.min_size
+    before = info.recompilations
+    for width, height in sizes:
+        for guidance in (None, 1.0):
+            image = await client.generate_image(
+                PROMPT, seed=SEED, num_inference_steps=1, width=width, height=height, guidance_scale=guidance
+            )
+            assert (image.width, image.height) == (width, height)
+    assert (await client.server_info()).recompilations == before == 0
+
+
+async def test_no_sdxl_size_or_guidance_compiles_after_warm_up(sdxl_client):
+    await assert_no_compile_at_any_size(sdxl_client, SDXL_SIZES)
+
+
+async def test_no_flux_size_or_guidance_compiles_after_warm_up(flux_client):
+    await assert_no_compile_at_any_size(flux_client, FLUX_SIZES)
+
+
 def assert_all_distinct(images):
     keys = list(images)
     for i, first in enumerate(keys):

@@ -237,6 +237,7 @@ class ServerInfo:
     recompilations: int
     resident_adapter: str
     size_multiple: int
+    min_size: int
     max_size: int
     default_width: int
     default_height: int
@@ -257,6 +258,7 @@ class ServerInfo:
             recompilations=message.recompilations,
             resident_adapter=message.resident_adapter,
             size_multiple=message.size_multiple,
+            min_size=message.min_size,
             max_size=message.max_size,
             default_width=message.default_width,
             default_height=message.default_height,

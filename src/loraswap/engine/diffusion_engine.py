@@ -193,6 +193,7 @@ class DiffusionEngine:
             recompilations=runtime.recompilations,
             resident_adapter=resident.name if resident is not None else "",
             size_multiple=runtime.size_multiple,
+            min_size=runtime.min_size,
             max_size=self.config.max_size,
             default_width=runtime.defaults.width,
             default_height=runtime.defaults.height,

@@ -7,6 +7,7 @@ grad mode, so warming up and serving in the same mode keeps them valid.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -52,6 +53,7 @@ DEFAULT_TARGET_MODULES = {
 }  # fmt: skip
 
 MAX_STEPS = 200
+RECOMPILE_LIMIT = 32
 MAX_GUIDANCE = 50.0
 MAX_PROMPT_CHARS = 4000
 JPEG_QUALITY = 95
@@ -171,6 +173,17 @@ class _CountingBackend:
         return torch._dynamo.lookup_backend(self.name)(graph_module, example_inputs)
 
 
+@contextlib.contextmanager
+def _onednn_disabled():
+    """torch.backends.mkldnn.enabled = False for the block (its other flags untouched)."""
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
+
+
 def encode_image(image, image_format: ImageFormat) -> bytes:
     """PIL image -> file bytes in the requested format."""
     buffer = io.BytesIO()
@@ -213,6 +226,9 @@ class DiffusionRuntime:
         self.slot = HotswapSlot.install(self.denoiser, self.target_layers, config.max_rank, self.dtype, self.device)
         if self.compiled:
             self._backend = _CountingBackend(config.compile_backend)
+            # Past this many graphs per frame dynamo silently runs the model uncompiled (and nothing
+            # would count it); SDXL's warm-up alone makes 7, so leave room.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             self.denoiser.compile(backend=self._backend)
         if config.warmup:
             self._warm_up()
@@ -227,34 +243,59 @@ class DiffusionRuntime:
     # -- start-up ---------------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """Run the pipeline at two different shapes, so compiled graphs come out shape-generic.
+        """Run the pipeline at the shapes that make every later request reuse a compiled graph.
 
-        dynamo compiles the first call for its exact shapes; a second call with other
-        shapes makes it mark the changed dimensions dynamic. Doing that here means a
-        request at a new resolution (or, on SDXL, with classifier-free guidance off)
-        reuses the warm graphs instead of recompiling while serving.
+        dynamo compiles the first call for its exact shapes; a call with other shapes marks
+        the changed dimensions dynamic. Past that, a dynamic graph still holds guards that
+        split requests into classes, and each class needs one graph:
+        - the batch: SDXL runs classifier-free guidance as batch 2 and guidance <= 1 as batch 1,
+          and torch specialises size-1 dimensions;
+        - SDXL's UNet forwards explicit upsample sizes only when the latent's height or width is
+          not a multiple of 2**num_upsamplers (`if dim % default_overall_up_factor != 0`, then
+          `break`), so height not divisible / height divisible but width not / both divisible
+          are three graphs, each warmed up here where an allowed size can fall in it.
         """
         multiple = self.size_multiple
         other_width = self.defaults.width + 2 * multiple
-        other_height = max(multiple, self.defaults.height - multiple)
-        requests = [
-            GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2),
-            GenerationRequest(
-                prompt="warm-up", seed=0, num_inference_steps=2, width=other_width, height=other_height
-            ),
-        ]
+        other_height = max(self.min_size, self.defaults.height - multiple)
+        sizes = [(other_width, other_height)]
         if self.family is ModelFamily.SDXL:
-            # Guidance <= 1 halves SDXL's batch; torch specialises size-1 dimensions, so that
-            # batch gets its own graph, warmed up here too. (Its conv guards still depend on the
-            # image's area, so guidance-off requests at much smaller sizes may compile once.)
+            period = self.pipe.vae_scale_factor * 2**self.denoiser.num_upsamplers
+            sizes = [
+                (self._warm_up_side(self.defaults.width, period, w_div),
+                 self._warm_up_side(self.defaults.height, period, h_div))
+                for h_div, w_div in ((False, True), (True, False), (True, True))
+                if self._reachable(period, h_div) and self._reachable(period, w_div)
+            ]  # fmt: skip
+        requests = [GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2)]
+        for width, height in sizes:
             requests.append(
-                GenerationRequest(
-                    prompt="warm-up", seed=0, num_inference_steps=2, width=other_width, height=other_height,
-                    guidance_scale=1.0,
-                )
-            )  # fmt: skip
+                GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2, width=width, height=height)
+            )
+            if self.family is ModelFamily.SDXL:
+                requests.append(
+                    GenerationRequest(
+                        prompt="warm-up", seed=0, num_inference_steps=2, width=width, height=height,
+                        guidance_scale=1.0,
+                    )
+                )  # fmt: skip
         for request in requests:
             self.generate(self.resolve(request), None, on_step=lambda progress: None, is_cancelled=lambda: False)
+
+    def _reachable(self, period: int, divisible: bool) -> bool:
+        """Whether some allowed side length is (divisible=True) or is not a multiple of `period`."""
+        if divisible:
+            return True  # lcm(multiple, period) fits below any sensible max_size
+        return self.size_multiple % period != 0
+
+    def _warm_up_side(self, default: int, period: int, divisible: bool) -> int:
+        """An allowed side length other than `default`, near it, that is or is not a multiple of `period`."""
+        multiple = self.size_multiple
+        for step in range(1, 4 * period):
+            for side in (default + step * multiple, default - step * multiple):
+                if self.min_size <= side <= self.config.max_size and (side % period == 0) == divisible:
+                    return side
+        return default
 
     # -- facts --------------------------------------------------------------------------------------
 
@@ -263,6 +304,20 @@ class DiffusionRuntime:
         if self.family is ModelFamily.FLUX:
             return self.pipe.vae_scale_factor * 2
         return 8
+
+    @property
+    def min_size(self) -> int:
+        """Smallest width or height accepted.
+
+        Below it some dimension inside the denoiser is 1, which torch specialises, so each
+        such request would compile its own graph. SDXL: every UNet level at least 2 latent
+        pixels wide. Flux: more than one packed token (a one-multiple square is one token).
+        """
+        multiple = self.size_multiple
+        if self.family is ModelFamily.SDXL:
+            latent = 2**self.denoiser.num_upsamplers + 1
+            return -(-latent * self.pipe.vae_scale_factor // multiple) * multiple
+        return 2 * multiple
 
     @property
     def uses_true_cfg(self) -> bool:
@@ -326,11 +381,11 @@ class DiffusionRuntime:
     def _check_size(self, field: str, value: int | None, default: int) -> int:
         if value is None:
             return default
-        multiple = self.size_multiple
-        if not multiple <= value <= self.config.max_size or value % multiple:
-            nearest = min(max(multiple, round(value / multiple) * multiple), self.config.max_size)
+        multiple, smallest = self.size_multiple, self.min_size
+        if not smallest <= value <= self.config.max_size or value % multiple:
+            nearest = min(max(smallest, round(value / multiple) * multiple), self.config.max_size)
             raise InvalidRequestError(
-                f"{field} is {value}; it must be a multiple of {multiple} between {multiple} and "
+                f"{field} is {value}; it must be a multiple of {multiple} between {smallest} and "
                 f"{self.config.max_size} for this model (nearest valid: {nearest})",
                 field=field,
                 multiple=multiple,
@@ -353,7 +408,7 @@ class DiffusionRuntime:
         before the VAE decode.
         """
         timings = timings or Timings()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._conv_backend():
             swap_ms = self.slot.load(adapter, params.adapter_scale)
             started = time.perf_counter()
             last_step_at = started
@@ -387,6 +442,20 @@ class DiffusionRuntime:
             ),
             warnings=warnings,
         )
+
+    def _conv_backend(self):
+        """oneDNN off for a compiled float32 SDXL UNet on CPU; otherwise nothing.
+
+        For a float32 CPU convolution at batch 1, torch picks oneDNN or its native kernel by
+        `input.numel() > 20480` (aten use_mkldnn, asked by the fake-tensor conv in
+        torch/_subclasses/fake_impls.py via torch._C._select_conv_backend), so each conv
+        guards its C*H*W against 20480 and guidance-off requests at a new side of any such
+        threshold compile again. With oneDNN off the question is never asked.
+        """
+        on_cpu_in_float32 = self.device.type == "cpu" and self.dtype == torch.float32
+        if self.compiled and self.family is ModelFamily.SDXL and on_cpu_in_float32:
+            return _onednn_disabled()
+        return contextlib.nullcontext()
 
     def _pipeline_kwargs(self, params: GenerationParams) -> dict:
         kwargs = dict(

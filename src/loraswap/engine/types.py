@@ -150,6 +150,7 @@ class ServerDescription:
     recompilations: int
     resident_adapter: str
     size_multiple: int
+    min_size: int
     max_size: int
     default_width: int
     default_height: int

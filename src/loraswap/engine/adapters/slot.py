@@ -98,7 +98,7 @@ class HotswapSlot:
             lora_a = module.lora_A[SLOT_ADAPTER_NAME]
             b = module.lora_B[SLOT_ADAPTER_NAME].weight
             if not isinstance(lora_a, RankGatedLinear):
-                raise RuntimeError(f"slot layer {name} has no rank gate; install the slot with HotswapSlot.install")
+                raise TypeError(f"slot layer {name} has no rank gate; install the slot with HotswapSlot.install")
             if lora_a.weight.shape[0] != max_rank or b.shape[1] != max_rank:
                 raise RuntimeError(f"slot layer {name} has rank {lora_a.weight.shape[0]}, expected {max_rank}")
             self._layers[name] = _LiveLayer(a=lora_a.weight.data, b=b.data, gate=lora_a.rank_gate)

@@ -128,6 +128,7 @@ def server_description_to_pb(info: ServerDescription) -> pb.GetServerInfoRespons
         recompilations=info.recompilations,
         resident_adapter=info.resident_adapter,
         size_multiple=info.size_multiple,
+        min_size=info.min_size,
         max_size=info.max_size,
         default_width=info.default_width,
         default_height=info.default_height,
