@@ -264,9 +264,13 @@ async def test_concurrent_first_requests_load_an_adapter_once(client):
         *(client.generate_image("a cone", adapter="third", seed=1, num_inference_steps=1) for _ in range(2)),
     )
     preloads, images = results[:4], results[4:]
-    load_times = {result.adapter.load_ms for result in preloads} | {image.timings.adapter_load_ms for image in images}
-    assert len(load_times) == 1 and load_times.pop() > 0  # one load, shared by all six
-    assert not any(result.already_cached for result in preloads)
+    # One load: every request that waited for it reports its time; a request that arrived after it finished
+    # (the load takes about a millisecond, so a busy machine can order them so) reports a cache hit instead.
+    waited = [result.adapter.load_ms for result in preloads if not result.already_cached]
+    waited += [image.timings.adapter_load_ms for image in images if image.timings.adapter_load_ms > 0]
+    assert waited and len(set(waited)) == 1 and waited[0] > 0
+    (listed,) = [adapter for adapter in (await client.list_adapters()).adapters if adapter.id == "third"]
+    assert listed.load_ms == waited[0]
     assert (await client.preload_adapter("third")).already_cached
 
 
