@@ -261,7 +261,7 @@ class SwapBench:
         # The host-memory cache holds canonical adapters; a warm swap starts from one of them.
         for path in pair:
             self.canonical.setdefault(str(path), self._load_canonical(path))
-        self.slot.load(None)  # a clean slot, as after start-up
+        self.slot.load(None)  # the base model resident, as after start-up
 
         def swap(path):
             with torch.inference_mode():

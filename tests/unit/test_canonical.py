@@ -351,6 +351,13 @@ REFUSALS = [
         AdapterFormatError, "ADAPTER_NOT_FINITE", id="inf",
     ),
     pytest.param(
+        _flux(lambda t: _edited(
+            t, lambda d: d,
+            lora_metadata='{"transformer.r": 4, "transformer.lora_alpha": Infinity, "transformer.target_modules": ["to_q", "to_k"]}',
+        )),
+        AdapterFormatError, "ADAPTER_NOT_FINITE", id="alpha_infinite",
+    ),
+    pytest.param(
         # Finite in float32, but 8x (the largest strength) is not: the slot needs lora_B finite at any strength.
         _flux(lambda t: _edited(t, lambda d: _replace(d, "lora_B", lambda v: _poison(v, 1e38)))),
         AdapterFormatError, "ADAPTER_OUT_OF_RANGE", id="b_overflows_at_max_strength",

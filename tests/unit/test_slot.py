@@ -56,7 +56,6 @@ def _outputs(transformer, layers, x_by_layer) -> dict[str, torch.Tensor]:
 )
 def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype, stale_magnitude):
     transformer, layers, slot = _denoiser_with_slot(dtype)
-    fresh_transformer, _, fresh_slot = _denoiser_with_slot(dtype)
     generator = torch.Generator().manual_seed(0)
     x = {
         name: (torch.randn(2, 3, transformer.get_submodule(name).in_features, generator=generator) * 4).to(dtype)
@@ -71,12 +70,12 @@ def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype,
     slot.load(high, 1.5)
     if dtype is torch.float16:
         assert not torch.isfinite(_outputs(transformer, layers, x)[layers[0]]).all(), "stale ranks must overflow"
-    base = _outputs(fresh_transformer, layers, x)
+    base = _outputs(_denoiser_with_slot(dtype)[0], layers, x)
 
     for adapter, scale in [(low, 0.7), (None, 1.0), (high, 1.0), (partial, 1.0), (low, 1.0)]:
         slot.load(high, 2.0)  # the stale values every case starts from
         slot.load(adapter, scale)
-        fresh_slot.load(None)
+        fresh_transformer, _, fresh_slot = _denoiser_with_slot(dtype)  # never held anything else
         fresh_slot.load(adapter, scale)
         live, expected = _outputs(transformer, layers, x), _outputs(fresh_transformer, layers, x)
         for name in layers:
@@ -97,4 +96,25 @@ def test_slot_layers_are_gated_and_the_gate_is_not_saved():
     for name in layers:
         assert isinstance(transformer.get_submodule(name).lora_A["loraswap_slot"], RankGatedLinear)
     assert not any("rank_gate" in key for key in transformer.state_dict())
+    assert slot.gates_match_resident()
+
+
+def test_a_load_that_fails_part_way_leaves_no_stale_gate_behind():
+    transformer, layers, slot = _denoiser_with_slot(torch.float32)
+    high = _adapter(transformer, layers, MAX_RANK, 1.0, torch.float32, seed=1)
+    low = _adapter(transformer, layers, 4, 0.1, torch.float32, seed=2)
+    broken_layer = CanonicalLayer(a=torch.zeros(4, 3), b=torch.zeros(5, 4))  # shapes no slot layer has
+    broken = CanonicalAdapter(
+        name="broken", source="test", layers={**low.layers, layers[-1]: broken_layer}, warnings=(), load_ms=0.0
+    )
+    slot.load(high)
+    with pytest.raises(RuntimeError):
+        slot.load(broken)
+    assert slot.resident is None and not slot.is_resident(None, 1.0)
+    slot.load(low)
+    fresh_transformer, _, fresh_slot = _denoiser_with_slot(torch.float32)
+    fresh_slot.load(low)
+    x = {name: torch.randn(2, transformer.get_submodule(name).in_features) for name in layers}
+    live, expected = _outputs(transformer, layers, x), _outputs(fresh_transformer, layers, x)
+    assert all(torch.equal(live[name], expected[name]) for name in layers)
     assert slot.gates_match_resident()

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ DEFAULT_TARGET_MODULES = {
 
 MAX_STEPS = 200
 RECOMPILE_LIMIT = 32
+WARM_UP_GUIDANCE = 5.0  # the warm-up's guidance-on runs, when the model's default is off
 MAX_GUIDANCE = 50.0
 MAX_PROMPT_CHARS = 4000
 JPEG_QUALITY = 95
@@ -173,15 +175,29 @@ class _CountingBackend:
         return torch._dynamo.lookup_backend(self.name)(graph_module, example_inputs)
 
 
-@contextlib.contextmanager
-def _onednn_disabled():
-    """torch.backends.mkldnn.enabled = False for the block (its other flags untouched)."""
-    previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = previous
+class _OneDnnOff:
+    """torch.backends.mkldnn.enabled = False while any runtime is inside; restored when the last one leaves.
+
+    The flag is process-wide, so runtimes on different worker threads share one count
+    instead of each saving and restoring it (which could leave it off for good).
+    """
+
+    _lock = threading.Lock()
+    _inside = 0
+    _previous = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if _OneDnnOff._inside == 0:
+                _OneDnnOff._previous = torch.backends.mkldnn.enabled
+                torch.backends.mkldnn.enabled = False
+            _OneDnnOff._inside += 1
+
+    def __exit__(self, *exc_info) -> None:
+        with self._lock:
+            _OneDnnOff._inside -= 1
+            if _OneDnnOff._inside == 0:
+                torch.backends.mkldnn.enabled = _OneDnnOff._previous
 
 
 def encode_image(image, image_format: ImageFormat) -> bytes:
@@ -194,6 +210,41 @@ def encode_image(image, image_format: ImageFormat) -> bytes:
     else:
         image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def warm_up_sizes(
+    default: tuple[int, int], multiple: int, min_size: int, max_size: int, upsample_period: int | None
+) -> list[tuple[int, int]]:
+    """The (width, height) sizes, besides the default, that a warm-up runs so no allowed size compiles later.
+
+    Each size differs from the default in both sides, and its width from its height, so dynamo
+    marks both sides dynamic without tying them together. `upsample_period` (SDXL only: the VAE
+    factor times 2**num_upsamplers, in pixels) splits sizes into three graph classes, because
+    diffusers' UNet passes explicit upsample sizes when the latent's height or width is not a
+    multiple of 2**num_upsamplers (`if dim % default_overall_up_factor != 0`, checking height
+    first, then `break`): height not divisible; height divisible but width not; both divisible.
+    One size per class that an allowed size can fall in.
+    """
+
+    def side_near(default_side: int, divisible: bool, upward: bool, avoid: int | None = None) -> int | None:
+        for step in range(1, max_size // multiple + 1):
+            offsets = (step, -step) if upward else (-step, step)
+            for side in (default_side + offset * multiple for offset in offsets):
+                in_class = upsample_period is None or (side % upsample_period == 0) == divisible
+                if min_size <= side <= max_size and in_class and side != avoid:
+                    return side
+        return None
+
+    classes = [(True, True)]
+    if upsample_period is not None and multiple % upsample_period != 0:
+        classes = [(False, True), (True, False), (True, True)]  # (height divisible, width divisible)
+    sizes = []
+    for height_divisible, width_divisible in classes:
+        width = side_near(default[0], width_divisible, upward=True)
+        height = side_near(default[1], height_divisible, upward=False, avoid=width)
+        if width is not None and height is not None:
+            sizes.append((width, height))
+    return sizes
 
 
 class DiffusionRuntime:
@@ -245,57 +296,35 @@ class DiffusionRuntime:
     def _warm_up(self) -> None:
         """Run the pipeline at the shapes that make every later request reuse a compiled graph.
 
-        dynamo compiles the first call for its exact shapes; a call with other shapes marks
-        the changed dimensions dynamic. Past that, a dynamic graph still holds guards that
-        split requests into classes, and each class needs one graph:
-        - the batch: SDXL runs classifier-free guidance as batch 2 and guidance <= 1 as batch 1,
-          and torch specialises size-1 dimensions;
-        - SDXL's UNet forwards explicit upsample sizes only when the latent's height or width is
-          not a multiple of 2**num_upsamplers (`if dim % default_overall_up_factor != 0`, then
-          `break`), so height not divisible / height divisible but width not / both divisible
-          are three graphs, each warmed up here where an allowed size can fall in it.
+        dynamo compiles the first call for its exact shapes; a call with other shapes marks the
+        changed dimensions dynamic. Past that, guards split requests into classes that each need
+        a graph (see `warm_up_sizes`); and SDXL runs classifier-free guidance as batch 2 and
+        guidance <= 1 as batch 1, a size-1 dimension torch specialises, so on SDXL each size
+        runs with guidance on and off.
         """
-        multiple = self.size_multiple
-        other_width = self.defaults.width + 2 * multiple
-        other_height = max(self.min_size, self.defaults.height - multiple)
-        sizes = [(other_width, other_height)]
+        period = None
         if self.family is ModelFamily.SDXL:
             period = self.pipe.vae_scale_factor * 2**self.denoiser.num_upsamplers
-            sizes = [
-                (self._warm_up_side(self.defaults.width, period, w_div),
-                 self._warm_up_side(self.defaults.height, period, h_div))
-                for h_div, w_div in ((False, True), (True, False), (True, True))
-                if self._reachable(period, h_div) and self._reachable(period, w_div)
-            ]  # fmt: skip
+        sizes = warm_up_sizes(
+            (self.defaults.width, self.defaults.height), self.size_multiple, self.min_size, self.config.max_size, period
+        )
+        guidance_on = self.defaults.guidance_scale if self.defaults.guidance_scale > 1.0 else WARM_UP_GUIDANCE
         requests = [GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2)]
         for width, height in sizes:
-            requests.append(
-                GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2, width=width, height=height)
-            )
             if self.family is ModelFamily.SDXL:
-                requests.append(
+                requests += [
                     GenerationRequest(
                         prompt="warm-up", seed=0, num_inference_steps=2, width=width, height=height,
-                        guidance_scale=1.0,
+                        guidance_scale=guidance,
                     )
-                )  # fmt: skip
+                    for guidance in (guidance_on, 1.0)
+                ]  # fmt: skip
+            else:
+                requests.append(
+                    GenerationRequest(prompt="warm-up", seed=0, num_inference_steps=2, width=width, height=height)
+                )
         for request in requests:
             self.generate(self.resolve(request), None, on_step=lambda progress: None, is_cancelled=lambda: False)
-
-    def _reachable(self, period: int, divisible: bool) -> bool:
-        """Whether some allowed side length is (divisible=True) or is not a multiple of `period`."""
-        if divisible:
-            return True  # lcm(multiple, period) fits below any sensible max_size
-        return self.size_multiple % period != 0
-
-    def _warm_up_side(self, default: int, period: int, divisible: bool) -> int:
-        """An allowed side length other than `default`, near it, that is or is not a multiple of `period`."""
-        multiple = self.size_multiple
-        for step in range(1, 4 * period):
-            for side in (default + step * multiple, default - step * multiple):
-                if self.min_size <= side <= self.config.max_size and (side % period == 0) == divisible:
-                    return side
-        return default
 
     # -- facts --------------------------------------------------------------------------------------
 
@@ -450,11 +479,13 @@ class DiffusionRuntime:
         `input.numel() > 20480` (aten use_mkldnn, asked by the fake-tensor conv in
         torch/_subclasses/fake_impls.py via torch._C._select_conv_backend), so each conv
         guards its C*H*W against 20480 and guidance-off requests at a new side of any such
-        threshold compile again. With oneDNN off the question is never asked.
+        threshold compile again. With oneDNN off the question is never asked. (It also covers the
+        VAE and text encoders, which run a little slower without oneDNN: a test-sized set-up only,
+        since served models run in bfloat16 or float16.)
         """
         on_cpu_in_float32 = self.device.type == "cpu" and self.dtype == torch.float32
         if self.compiled and self.family is ModelFamily.SDXL and on_cpu_in_float32:
-            return _onednn_disabled()
+            return _OneDnnOff()
         return contextlib.nullcontext()
 
     def _pipeline_kwargs(self, params: GenerationParams) -> dict:

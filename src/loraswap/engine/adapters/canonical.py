@@ -170,6 +170,10 @@ def _layer_scalings(
         module = key.removesuffix(".lora_A.weight")
         rank = value.shape[0]
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+        if not math.isfinite(alpha):
+            raise AdapterFormatError(
+                f"layer {module} has LoRA alpha {alpha}; alpha must be a finite number", reason="ADAPTER_NOT_FINITE"
+            )
         scalings[module] = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
     return scalings
 
@@ -200,7 +204,8 @@ def _refuse_non_finite(key: str, raw: torch.Tensor, converted: torch.Tensor) -> 
     if not torch.isfinite(raw).all():
         raise AdapterFormatError(f"tensor {key} holds NaN or infinite values", reason="ADAPTER_NOT_FINITE")
     raise AdapterFormatError(
-        f"tensor {key} has values too large for the model's dtype {str(converted.dtype).removeprefix('torch.')}",
+        f"tensor {key} has values too large for the model's dtype {str(converted.dtype).removeprefix('torch.')} "
+        "(after multiplying lora_B by alpha/rank)",
         reason="ADAPTER_OUT_OF_RANGE",
     )
 

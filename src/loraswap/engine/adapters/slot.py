@@ -56,7 +56,7 @@ class _LiveLayer:
     a: torch.Tensor  # (max_rank, in) parameter data of lora_A
     b: torch.Tensor  # (out, max_rank) parameter data of lora_B
     gate: torch.Tensor  # (max_rank,) bool: which ranks reach lora_B
-    resident_rank: int = 0  # ranks [0, resident_rank) are open, the rest closed
+    resident_rank: int = 0  # ranks [0, resident_rank) are open, the rest closed; -1: unknown
 
 
 class HotswapSlot:
@@ -107,6 +107,7 @@ class HotswapSlot:
         self._gate_rows = torch.arange(max_rank, device=device) < torch.arange(max_rank + 1, device=device)[:, None]
         self.resident: CanonicalAdapter | None = None
         self.resident_scale = 1.0
+        self._consistent = True  # False after a load failed part-way: then nothing is resident for sure
 
     @property
     def layer_names(self) -> list[str]:
@@ -130,6 +131,8 @@ class HotswapSlot:
 
     def is_resident(self, adapter: CanonicalAdapter | None, scale: float) -> bool:
         """True when the slot already holds exactly this adapter object at this strength."""
+        if not self._consistent:
+            return False
         if adapter is None:
             return self.resident is None
         return self.resident is adapter and self.resident_scale == scale
@@ -142,7 +145,7 @@ class HotswapSlot:
         started = time.perf_counter()
         incoming = adapter.layers if adapter is not None else {}
         targets, sources, scaled = [], [], []
-        gates, gate_rows = [], []
+        gates, gate_rows, ranks = [], [], {}
         for name, live in self._layers.items():
             layer = incoming.get(name)
             rank = 0
@@ -155,19 +158,29 @@ class HotswapSlot:
             if rank != live.resident_rank:
                 gates.append(live.gate)
                 gate_rows.append(self._gate_rows[rank])
-                live.resident_rank = rank
-        # One call each instead of a Python-level copy per tensor (1,120 on SDXL's default slot).
-        if targets:
-            torch._foreach_copy_(targets, sources, non_blocking=True)
-            if scale != 1.0:
-                torch._foreach_mul_(scaled, scale)
-        if gates:
-            torch._foreach_copy_(gates, gate_rows)
-        first = next(iter(self._layers.values()), None)
-        if first is not None and first.a.is_cuda:
-            torch.cuda.current_stream(first.a.device).synchronize()
+            ranks[name] = rank
+        try:
+            # One call each instead of a Python-level copy per tensor (1,120 on SDXL's default slot).
+            if targets:
+                torch._foreach_copy_(targets, sources, non_blocking=True)
+                if scale != 1.0:
+                    torch._foreach_mul_(scaled, scale)
+            if gates:
+                torch._foreach_copy_(gates, gate_rows)
+            first = next(iter(self._layers.values()), None)
+            if first is not None and first.a.is_cuda:
+                torch.cuda.current_stream(first.a.device).synchronize()
+        except BaseException:
+            # Weights and gates are now in an unknown state: the next load rewrites every gate.
+            for live in self._layers.values():
+                live.resident_rank = -1
+            self.resident, self.resident_scale, self._consistent = None, 1.0, False
+            raise
+        for name, rank in ranks.items():
+            self._layers[name].resident_rank = rank
         self.resident = adapter
         self.resident_scale = scale if adapter is not None else 1.0
+        self._consistent = True
         return (time.perf_counter() - started) * 1000.0
 
     def gates_match_resident(self) -> bool:

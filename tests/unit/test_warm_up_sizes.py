@@ -1,0 +1,55 @@
+"""warm_up_sizes: the warm-up covers every graph class a request can fall in, with sides dynamo marks dynamic.
+
+The runtime sweeps on the tiny models (tests/integration/test_swaps.py) cannot reach SDXL's
+upsampling-divisibility classes: their size multiple is a multiple of the upsampling period. The
+real geometries are checked here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loraswap.engine.pipeline import warm_up_sizes
+
+
+def _classes(sizes, period):
+    """diffusers' UNet graph class of each size: (height divisible, width divisible), as the UNet checks them."""
+    return {(height % period == 0, width % period == 0 if height % period == 0 else None) for width, height in sizes}
+
+
+@pytest.mark.parametrize(
+    ("default", "multiple", "min_size", "max_size", "period", "expected_classes"),
+    [
+        # SDXL base: VAE factor 8, 2 upsamplers -> period 32; requests may use any multiple of 8.
+        pytest.param((1024, 1024), 8, 40, 2048, 32, {(False, None), (True, False), (True, True)}, id="sdxl"),
+        pytest.param((832, 1216), 8, 40, 2048, 32, {(False, None), (True, False), (True, True)}, id="sdxl-portrait"),
+        pytest.param((1024, 1024), 8, 40, 1024, 32, {(False, None), (True, False), (True, True)}, id="sdxl-at-max"),
+        # random-sdxl's default and the tiny SDXL (period 4 divides the multiple: one class only).
+        pytest.param((128, 128), 8, 40, 1024, 32, {(False, None), (True, False), (True, True)}, id="random-sdxl"),
+        pytest.param((64, 64), 8, 8, 1024, 4, {(True, True)}, id="tiny-sdxl"),
+    ],
+)
+def test_sdxl_sizes_cover_every_upsampling_class(default, multiple, min_size, max_size, period, expected_classes):
+    sizes = warm_up_sizes(default, multiple, min_size, max_size, period)
+    assert _classes(sizes, period) == expected_classes
+    assert len(sizes) == len(expected_classes)
+    _assert_dynamic_friendly(sizes, default, multiple, min_size, max_size)
+
+
+@pytest.mark.parametrize(
+    ("default", "multiple", "min_size", "max_size"),
+    [((1024, 1024), 16, 32, 2048), ((1024, 1040), 16, 32, 2048), ((64, 64), 4, 8, 64), ((1024, 1024), 16, 32, 1024)],
+)
+def test_flux_gets_one_other_size(default, multiple, min_size, max_size):
+    sizes = warm_up_sizes(default, multiple, min_size, max_size, None)
+    assert len(sizes) == 1
+    _assert_dynamic_friendly(sizes, default, multiple, min_size, max_size)
+
+
+def _assert_dynamic_friendly(sizes, default, multiple, min_size, max_size):
+    for width, height in sizes:
+        assert min_size <= width <= max_size and min_size <= height <= max_size
+        assert width % multiple == 0 and height % multiple == 0
+        # Both sides change from the default (so both become dynamic), and stay apart from each other
+        # (equal sides would share one symbol in dynamo's shape environment).
+        assert width != default[0] and height != default[1] and width != height
