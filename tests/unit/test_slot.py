@@ -63,6 +63,7 @@ def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype,
     }
     high = _adapter(transformer, layers, MAX_RANK, stale_magnitude, dtype, seed=1)
     low = _adapter(transformer, layers, 4, 0.1, dtype, seed=2)
+    odd = _adapter(transformer, layers, 3, 0.1, dtype, seed=3)  # 6 or 12 bytes a row: copied element by element
     partial = CanonicalAdapter(
         name="partial", source="test", layers={layers[0]: low.layers[layers[0]]}, warnings=(), load_ms=0.0
     )
@@ -72,7 +73,7 @@ def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype,
         assert not torch.isfinite(_outputs(transformer, layers, x)[layers[0]]).all(), "stale ranks must overflow"
     base = _outputs(_denoiser_with_slot(dtype)[0], layers, x)
 
-    for adapter, scale in [(low, 0.7), (None, 1.0), (high, 1.0), (partial, 1.0), (low, 1.0)]:
+    for adapter, scale in [(low, 0.7), (None, 1.0), (high, 1.0), (partial, 1.0), (odd, -1.5), (low, 1.0)]:
         slot.load(high, 2.0)  # the stale values every case starts from
         slot.load(adapter, scale)
         fresh_transformer, _, fresh_slot = _denoiser_with_slot(dtype)  # never held anything else
@@ -85,6 +86,12 @@ def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype,
                 assert torch.isfinite(live[name]).all(), (adapter and adapter.name, name)
         if adapter is None:
             assert all(torch.equal(live[name], base[name]) for name in layers)
+        else:  # the slot holds the adapter's own bytes (lora_B times the strength, in the model's dtype)
+            for name, layer in adapter.layers.items():
+                module = transformer.get_submodule(name)
+                rank = layer.rank
+                assert torch.equal(module.lora_A["loraswap_slot"].weight[:rank], layer.a)
+                assert torch.equal(module.lora_B["loraswap_slot"].weight[:, :rank], layer.b * scale)
         assert slot.gates_match_resident()
         # Nothing was cleared: the stale ranks still hold the high-rank adapter's values.
         a = transformer.get_submodule(layers[-1]).lora_A["loraswap_slot"].weight

@@ -20,7 +20,7 @@ import json
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -76,6 +76,9 @@ class CanonicalAdapter:
     layers: dict[str, CanonicalLayer]
     warnings: tuple[str, ...]
     load_ms: float
+    # Scratch space for the swap slot (the views it copies from, built on the first swap), so that it
+    # lives and dies with the adapter. Not part of the adapter's identity.
+    swap_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rank(self) -> int:

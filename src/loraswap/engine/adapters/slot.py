@@ -34,6 +34,8 @@ from loraswap.engine.adapters.canonical import CanonicalAdapter, SlotSpec
 from loraswap.engine.types import ModelFamily
 
 SLOT_ADAPTER_NAME = "loraswap_slot"
+# Adapter layouts (layers and ranks) whose slot views are kept; most deployments have a handful.
+MAX_CACHED_PLANS = 64
 
 
 class RankGatedLinear(torch.nn.Linear):
@@ -49,6 +51,26 @@ class RankGatedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(self.rank_gate, F.linear(x, self.weight), 0.0)
+
+
+def _as_16_byte_elements(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes seen as complex128, 16 bytes an element (the caller checks the layout allows it).
+
+    Copying a rank-8 bfloat16 lora_B into a rank-64 slot writes 16 bytes into every 128-byte row.
+    Seen as one 16-byte element per row, that is a single strided 1-D loop instead of one short
+    inner loop per row: about 1.7x faster on SDXL's layer shapes. A copy between complex128 views
+    moves bytes; no arithmetic touches them.
+    """
+    return tensor.view(torch.complex128)
+
+
+@dataclass
+class _SwapPlan:
+    """Where an adapter of one layout goes in the slot: built once per layout, reused by every swap to it."""
+
+    targets: list[torch.Tensor]  # slot views, in the order of the adapter's copy sources
+    scaled: list[torch.Tensor]  # the lora_B views in the model's dtype, which the strength multiplies
+    ranks: dict[str, int]  # every slot layer's rank once the adapter is resident
 
 
 @dataclass
@@ -105,9 +127,18 @@ class HotswapSlot:
             device = b.device
         # Row r opens ranks [0, r): the gate of a layer at rank r is a copy of it.
         self._gate_rows = torch.arange(max_rank, device=device) < torch.arange(max_rank + 1, device=device)[:, None]
+        self._plans: dict[tuple, _SwapPlan] = {}
+        first = next(iter(self._layers.values()), None)
+        # 16-byte views of lora_B need 16-byte-aligned slot rows and start.
+        self._wide_rows = first is not None and (
+            (max_rank * first.b.element_size()) % 16 == 0
+            and all(live.b.storage_offset() == 0 for live in self._layers.values())
+        )
         self.resident: CanonicalAdapter | None = None
         self.resident_scale = 1.0
         self._consistent = True  # False after a load failed part-way: then nothing is resident for sure
+        self._resident_ranks: dict[str, int] | None = None  # the ranks dict of the last load (identity compared)
+        self._no_adapter_ranks = {name: 0 for name in self._layers}
 
     @property
     def layer_names(self) -> list[str]:
@@ -143,28 +174,25 @@ class HotswapSlot:
         if self.is_resident(adapter, scale):
             return 0.0
         started = time.perf_counter()
-        incoming = adapter.layers if adapter is not None else {}
-        targets, sources, scaled = [], [], []
-        gates, gate_rows, ranks = [], [], {}
-        for name, live in self._layers.items():
-            layer = incoming.get(name)
-            rank = 0
-            if layer is not None:
-                rank = layer.rank
-                b_view = live.b[:, :rank]
-                targets += (live.a[:rank], b_view)
-                sources += (layer.a, layer.b)
-                scaled.append(b_view)
-            if rank != live.resident_rank:
-                gates.append(live.gate)
-                gate_rows.append(self._gate_rows[rank])
-            ranks[name] = rank
+        targets, sources, scaled, ranks = [], [], [], self._no_adapter_ranks
+        if adapter is not None:
+            key, sources = self._copy_sources(adapter)
+            plan = self._plan(key)
+            targets, scaled, ranks = plan.targets, plan.scaled, plan.ranks
+        gates, gate_rows = [], []
+        if ranks is not self._resident_ranks:
+            for name, live in self._layers.items():
+                if ranks[name] != live.resident_rank:
+                    gates.append(live.gate)
+                    gate_rows.append(self._gate_rows[ranks[name]])
         try:
             # One call each instead of a Python-level copy per tensor (1,120 on SDXL's default slot).
             if targets:
                 torch._foreach_copy_(targets, sources, non_blocking=True)
                 if scale != 1.0:
-                    torch._foreach_mul_(scaled, scale)
+                    # A tensor scalar: with a Python float, _foreach_mul_ rounds the scale to the
+                    # model's dtype first (unlike mul_), so products would differ from b * scale.
+                    torch._foreach_mul_(scaled, torch.tensor(scale, device=scaled[0].device))
             if gates:
                 torch._foreach_copy_(gates, gate_rows)
             first = next(iter(self._layers.values()), None)
@@ -175,13 +203,50 @@ class HotswapSlot:
             for live in self._layers.values():
                 live.resident_rank = -1
             self.resident, self.resident_scale, self._consistent = None, 1.0, False
+            self._resident_ranks = None
             raise
-        for name, rank in ranks.items():
-            self._layers[name].resident_rank = rank
+        if gates:
+            for name, rank in ranks.items():
+                self._layers[name].resident_rank = rank
+        self._resident_ranks = ranks
         self.resident = adapter
         self.resident_scale = scale if adapter is not None else 1.0
         self._consistent = True
         return (time.perf_counter() - started) * 1000.0
+
+    def _copy_sources(self, adapter: CanonicalAdapter) -> tuple[tuple, list[torch.Tensor]]:
+        """The adapter's tensors in copy order, and the key of the plan they go with (cached on the adapter)."""
+        cached = adapter.swap_cache.get(("slot", self.max_rank))
+        if cached is None:
+            layout, sources = [], []
+            for name, layer in adapter.layers.items():
+                rank = layer.rank
+                wide = (
+                    self._wide_rows
+                    and (rank * layer.b.element_size()) % 16 == 0
+                    and layer.b.is_contiguous()
+                    and layer.b.storage_offset() % (16 // layer.b.element_size()) == 0
+                )
+                sources += (layer.a, _as_16_byte_elements(layer.b) if wide else layer.b)
+                layout.append((name, rank, wide))
+            cached = adapter.swap_cache[("slot", self.max_rank)] = (tuple(layout), sources)
+        return cached
+
+    def _plan(self, key: tuple) -> _SwapPlan:
+        plan = self._plans.get(key)
+        if plan is None:
+            targets, scaled = [], []
+            ranks = dict(self._no_adapter_ranks)
+            for name, rank, wide in key:
+                live = self._layers[name]
+                b_view = live.b[:, :rank]
+                targets += (live.a[:rank], _as_16_byte_elements(b_view) if wide else b_view)
+                scaled.append(b_view)
+                ranks[name] = rank
+            if len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            plan = self._plans[key] = _SwapPlan(targets=targets, scaled=scaled, ranks=ranks)
+        return plan
 
     def gates_match_resident(self) -> bool:
         """Invariant check (tests): each layer's gate opens exactly its resident ranks, and every weight is finite."""
