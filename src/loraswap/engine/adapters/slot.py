@@ -20,6 +20,13 @@ stale projection overflowed, and lora_B then multiplies those zeros by stale
 values that are finite, because every value ever written into lora_B is
 (canonical.py checks each adapter's lora_B times the largest allowed strength
 against the model dtype's range).
+
+How a swap stays close to the cost of a copy: the slot views an adapter of a
+given layout (its layers and ranks) is copied into are built once and kept
+(`_SwapPlan`); each adapter keeps its own list of source tensors; the copies,
+the strength multiply and the gate writes are one `torch._foreach_*` call
+each; and lora_B rows of 16 bytes or a multiple of 16 are copied as 16-byte
+elements (`_as_16_byte_elements`).
 """
 
 from __future__ import annotations
