@@ -125,3 +125,23 @@ def test_a_load_that_fails_part_way_leaves_no_stale_gate_behind():
     live, expected = _outputs(transformer, layers, x), _outputs(fresh_transformer, layers, x)
     assert all(torch.equal(live[name], expected[name]) for name in layers)
     assert slot.gates_match_resident()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_lora_b_bytes_arrive_exactly_on_the_16_byte_path_and_off_it(dtype):
+    transformer, layers, slot = _denoiser_with_slot(dtype)
+    for rank in (8, 16, 3, 4):  # 16-byte rows (bf16/fp16 at 8 and 16, fp32 at 4, 8, 16) and element-wise ones
+        adapter = _adapter(transformer, layers, rank, 0.3, dtype, seed=rank)
+        slot.load(adapter, 0.35)
+        wide = [flag for _, _, flag in adapter.swap_cache[next(iter(adapter.swap_cache))][0]]
+        assert all(wide) == ((rank * torch.finfo(dtype).bits // 8) % 16 == 0)
+        for name, layer in adapter.layers.items():
+            lora_b = transformer.get_submodule(name).lora_B["loraswap_slot"].weight
+            assert torch.equal(lora_b[:, :rank], layer.b * 0.35)
+    # An adapter in another dtype than the slot's is converted, never byte-copied.
+    other = torch.float32 if dtype != torch.float32 else torch.float16
+    mismatched = _adapter(transformer, layers, 8, 0.3, other, seed=9)
+    slot.load(mismatched)
+    for name, layer in mismatched.layers.items():
+        lora_b = transformer.get_submodule(name).lora_B["loraswap_slot"].weight
+        assert torch.equal(lora_b[:, :8], layer.b.to(dtype))

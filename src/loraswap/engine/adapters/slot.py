@@ -137,9 +137,10 @@ class HotswapSlot:
         self._plans: dict[tuple, _SwapPlan] = {}
         first = next(iter(self._layers.values()), None)
         # 16-byte views of lora_B need 16-byte-aligned slot rows and start.
+        self._dtype = first.b.dtype if first is not None else None
         self._wide_rows = first is not None and (
             (max_rank * first.b.element_size()) % 16 == 0
-            and all(live.b.storage_offset() == 0 for live in self._layers.values())
+            and all(live.b.data_ptr() % 16 == 0 for live in self._layers.values())
         )
         self.resident: CanonicalAdapter | None = None
         self.resident_scale = 1.0
@@ -197,9 +198,7 @@ class HotswapSlot:
             if targets:
                 torch._foreach_copy_(targets, sources, non_blocking=True)
                 if scale != 1.0:
-                    # A tensor scalar: with a Python float, _foreach_mul_ rounds the scale to the
-                    # model's dtype first (unlike mul_), so products would differ from b * scale.
-                    torch._foreach_mul_(scaled, torch.tensor(scale, device=scaled[0].device))
+                    torch._foreach_mul_(scaled, self._scale_operand(scale, scaled[0].device))
             if gates:
                 torch._foreach_copy_(gates, gate_rows)
             first = next(iter(self._layers.values()), None)
@@ -223,21 +222,35 @@ class HotswapSlot:
 
     def _copy_sources(self, adapter: CanonicalAdapter) -> tuple[tuple, list[torch.Tensor]]:
         """The adapter's tensors in copy order, and the key of the plan they go with (cached on the adapter)."""
-        cached = adapter.swap_cache.get(("slot", self.max_rank))
+        # Everything the sources depend on besides the adapter (not the slot's identity: ids are reused).
+        cache_key = ("slot", self.max_rank, self._dtype, self._wide_rows)
+        cached = adapter.swap_cache.get(cache_key)
         if cached is None:
             layout, sources = [], []
             for name, layer in adapter.layers.items():
                 rank = layer.rank
                 wide = (
                     self._wide_rows
+                    and layer.b.dtype == self._dtype  # a byte view must never stand in for a dtype conversion
                     and (rank * layer.b.element_size()) % 16 == 0
                     and layer.b.is_contiguous()
-                    and layer.b.storage_offset() % (16 // layer.b.element_size()) == 0
+                    and layer.b.data_ptr() % 16 == 0
                 )
                 sources += (layer.a, _as_16_byte_elements(layer.b) if wide else layer.b)
                 layout.append((name, rank, wide))
-            cached = adapter.swap_cache[("slot", self.max_rank)] = (tuple(layout), sources)
+            cached = adapter.swap_cache[cache_key] = (tuple(layout), sources)
         return cached
+
+    @staticmethod
+    def _scale_operand(scale: float, device: torch.device) -> float | torch.Tensor:
+        """What _foreach_mul_ takes so that each product equals `b * scale` rounded once.
+
+        On CPU, _foreach_mul_ with a Python float rounds the scale to the model's dtype first
+        (unlike mul_), so it gets a float32 tensor scalar. On CUDA the float is kept: its kernel
+        already multiplies in float32, and a tensor there would cost a blocking host-to-device
+        copy and, with a dtype unlike the model's, one kernel per tensor.
+        """
+        return torch.tensor(scale) if device.type == "cpu" else scale
 
     def _plan(self, key: tuple) -> _SwapPlan:
         plan = self._plans.get(key)
