@@ -296,7 +296,12 @@ def _canonical_layers(
         a = converted_a
         if spec.pin_memory:
             a, baked_b = a.pin_memory(), baked_b.pin_memory()
-        layers[module] = CanonicalLayer(a=a.contiguous(), b=baked_b.contiguous())
+        baked_b = baked_b.contiguous()
+        if baked_b.data_ptr() % 16:
+            # Tensors read straight from a safetensors file can start anywhere; the slot copies
+            # lora_B as 16-byte elements only from 16-byte-aligned memory, which a fresh tensor is.
+            baked_b = baked_b.clone()
+        layers[module] = CanonicalLayer(a=a.contiguous(), b=baked_b)
     return layers
 
 
