@@ -37,15 +37,16 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, PreTrainedModel, T5Config, T5EncoderModel
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, PreTrainedModel, T5EncoderModel
 
 from loraswap.engine.models.tiny import (
     GENERATION_DEFAULTS_FILE,
-    _clip_text_config,
     _private_rng,
     _seeded,
+    clip_text_config,
     flux_dev_scheduler,
     sdxl_base_scheduler,
+    t5_encoder_config,
 )
 from loraswap.engine.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
@@ -214,12 +215,10 @@ def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
     tokenizer_2 = build_clip_tokenizer()
     # Widths the full UNet reads: hidden states 768 + 1280 = cross_attention_dim 2048;
     # pooled 1280 + 6 * 256 time ids = projection_class_embeddings_input_dim 2816.
-    config_1 = _clip_text_config(tokenizer)
-    config_1.hidden_size, config_1.projection_dim = 768, 768
-    config_2 = _clip_text_config(tokenizer_2)
-    config_2.hidden_size, config_2.projection_dim = 1280, 1280
-    text_encoder = _seeded(lambda: CLIPTextModel(config_1))
-    text_encoder_2 = _seeded(lambda: CLIPTextModelWithProjection(config_2))
+    text_encoder = _seeded(lambda: CLIPTextModel(clip_text_config(tokenizer, hidden_size=768, projection_dim=768)))
+    text_encoder_2 = _seeded(
+        lambda: CLIPTextModelWithProjection(clip_text_config(tokenizer_2, hidden_size=1280, projection_dim=1280))
+    )
     vae = _seeded(lambda: _tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None))
     scheduler = sdxl_base_scheduler()
     return dict(
@@ -236,30 +235,9 @@ def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
 def _flux_components(transformer: ModelMixin) -> dict[str, Any]:
     tokenizer = build_clip_tokenizer()
     tokenizer_2 = build_t5_tokenizer()
-    config_1 = _clip_text_config(tokenizer)
-    config_1.hidden_size, config_1.projection_dim = 768, 768  # pooled_projection_dim
-    text_encoder = _seeded(lambda: CLIPTextModel(config_1))
-    text_encoder_2 = _seeded(
-        lambda: T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_2),
-                d_model=4096,  # joint_attention_dim
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
-                feed_forward_proj="gated-gelu",
-                dropout_rate=0.0,
-                pad_token_id=tokenizer_2.pad_token_id,
-                eos_token_id=tokenizer_2.eos_token_id,
-                decoder_start_token_id=tokenizer_2.pad_token_id,
-                is_encoder_decoder=False,
-                use_cache=False,
-            )
-        )
-    )
+    # pooled_projection_dim 768; joint_attention_dim 4096.
+    text_encoder = _seeded(lambda: CLIPTextModel(clip_text_config(tokenizer, hidden_size=768, projection_dim=768)))
+    text_encoder_2 = _seeded(lambda: T5EncoderModel(t5_encoder_config(tokenizer_2, d_model=4096)))
     vae = _seeded(lambda: _tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159))
     scheduler = flux_dev_scheduler()
     return dict(

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import CLIPTextModel, T5EncoderModel
 
 from loraswap.engine.models.classifier import PALETTE, SHAPES
-from loraswap.engine.models.tokenizers import CLIP_MAX_LENGTH, build_clip_tokenizer, build_t5_tokenizer
+from loraswap.engine.models.tiny import clip_text_config, t5_encoder_config
+from loraswap.engine.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 __all__ = [
     "SHAPES_DEFAULTS",
@@ -68,39 +69,11 @@ def untrained_shapes_components(seed: int = 0) -> dict[str, Any]:
     tokenizer_2 = build_t5_tokenizer(CAPTION_WORDS)
     torch.manual_seed(seed)
     text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,  # != 2: pool at the first EOS
-            pad_token_id=tokenizer.pad_token_id,
-            hidden_size=64,
-            intermediate_size=128,
-            projection_dim=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            max_position_embeddings=CLIP_MAX_LENGTH,
-            hidden_act="gelu",
-        )
+        clip_text_config(tokenizer, hidden_size=64, intermediate_size=128, projection_dim=64, num_hidden_layers=1)
     )
     torch.manual_seed(seed + 1)
     text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=64,
-            d_kv=16,
-            d_ff=128,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=16,
-            feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
-            is_encoder_decoder=False,
-            use_cache=False,
-        )
+        t5_encoder_config(tokenizer_2, d_model=64, d_kv=16, d_ff=128, num_layers=1, relative_attention_max_distance=16)
     )
     torch.manual_seed(seed + 2)
     transformer = FluxTransformer2DModel(

@@ -39,6 +39,7 @@ from transformers import (
     PreTrainedModel,
     T5Config,
     T5EncoderModel,
+    T5TokenizerFast,
 )
 
 from loraswap.engine.models.tokenizers import CLIP_MAX_LENGTH as _CLIP_MAX_LENGTH
@@ -73,21 +74,58 @@ _SEED = 0
 # --------------------------------------------------------------------------- components
 
 
-def _clip_text_config(tokenizer: CLIPTokenizer) -> CLIPTextConfig:
+def clip_text_config(
+    tokenizer: CLIPTokenizer,
+    *,
+    hidden_size: int = 32,
+    intermediate_size: int = 37,
+    projection_dim: int = 32,
+    num_hidden_layers: int = 2,  # SDXL reads hidden_states[-2]
+) -> CLIPTextConfig:
+    """A small CLIP text encoder config wired to an offline tokenizer from tokenizers.py."""
     return CLIPTextConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         # eos != 2 makes CLIP pool at the first EOS (not argmax of ids).
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        hidden_size=32,
-        intermediate_size=37,
-        projection_dim=32,
-        num_hidden_layers=2,  # SDXL reads hidden_states[-2]
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        projection_dim=projection_dim,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         max_position_embeddings=_CLIP_MAX_LENGTH,
         hidden_act="gelu",
         layer_norm_eps=1e-5,
+    )
+
+
+def t5_encoder_config(
+    tokenizer: T5TokenizerFast,
+    *,
+    d_model: int,
+    d_kv: int = 8,
+    d_ff: int = 64,
+    num_layers: int = 2,
+    relative_attention_max_distance: int = 32,
+) -> T5Config:
+    """A small T5 v1.1 encoder config (gated GELU, as FLUX uses) wired to an offline tokenizer."""
+    return T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=d_kv,
+        d_ff=d_ff,
+        num_layers=num_layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=relative_attention_max_distance,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        is_encoder_decoder=False,
+        use_cache=False,
     )
 
 
@@ -102,28 +140,8 @@ def _seeded(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
 def _tiny_flux_components() -> dict[str, Any]:
     tokenizer = _build_clip_tokenizer()
     tokenizer_2 = _build_t5_tokenizer()
-    text_encoder = _seeded(lambda: CLIPTextModel(_clip_text_config(tokenizer)))
-    text_encoder_2 = _seeded(
-        lambda: T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_2),
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
-                feed_forward_proj="gated-gelu",  # T5 v1.1, as FLUX uses
-                dropout_rate=0.0,
-                pad_token_id=tokenizer_2.pad_token_id,
-                eos_token_id=tokenizer_2.eos_token_id,
-                decoder_start_token_id=tokenizer_2.pad_token_id,
-                is_encoder_decoder=False,
-                use_cache=False,
-            )
-        )
-    )
+    text_encoder = _seeded(lambda: CLIPTextModel(clip_text_config(tokenizer)))
+    text_encoder_2 = _seeded(lambda: T5EncoderModel(t5_encoder_config(tokenizer_2, d_model=32)))
     latent_channels = 4
     vae = _seeded(
         lambda: AutoencoderKL(
@@ -197,8 +215,8 @@ def sdxl_base_scheduler() -> EulerDiscreteScheduler:
 def _tiny_sdxl_components() -> dict[str, Any]:
     tokenizer = _build_clip_tokenizer()
     tokenizer_2 = _build_clip_tokenizer()
-    text_encoder = _seeded(lambda: CLIPTextModel(_clip_text_config(tokenizer)))
-    text_encoder_2 = _seeded(lambda: CLIPTextModelWithProjection(_clip_text_config(tokenizer_2)))
+    text_encoder = _seeded(lambda: CLIPTextModel(clip_text_config(tokenizer)))
+    text_encoder_2 = _seeded(lambda: CLIPTextModelWithProjection(clip_text_config(tokenizer_2)))
     vae = _seeded(
         lambda: AutoencoderKL(
             in_channels=3,
