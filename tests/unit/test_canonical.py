@@ -24,27 +24,24 @@ from safetensors.torch import load_file, save_file
 from loraswap.engine.adapters.canonical import SlotSpec, load_canonical
 from loraswap.engine.adapters.random_adapter import write_random_adapter
 from loraswap.engine.adapters.sources import AdapterFile
-from loraswap.engine.config import EngineConfig
 from loraswap.engine.errors import AdapterFormatError, AdapterIncompatibleError, EngineError
 from loraswap.engine.models import build_builtin_pipeline
-from loraswap.engine.pipeline import DiffusionRuntime
+from tests.unit.lora_reference import (
+    MAX_RANK,
+    assert_same_deltas,
+    canonical_deltas,
+    diffusers_deltas,
+    tiny_slot_specs,
+)
 
 torch.set_num_threads(1)
 
-MAX_RANK = 16
 INIT_STD = 0.2
-DENOISER = {"tiny-flux": "transformer", "tiny-sdxl": "unet"}
 
 
 @pytest.fixture(scope="module")
 def specs() -> dict[str, SlotSpec]:
-    """The slot spec of each real tiny runtime (default target modules, max rank 16, float32 on CPU)."""
-    return {
-        model: DiffusionRuntime(
-            EngineConfig(model=model, max_rank=MAX_RANK, compile=False, warmup=False, torch_threads=1)
-        ).slot_spec()
-        for model in DENOISER
-    }
+    return tiny_slot_specs()
 
 
 def _load(path: Path, spec: SlotSpec):
@@ -75,29 +72,6 @@ def _write_peft_flux(
     return directory / "pytorch_lora_weights.safetensors"
 
 
-@torch.no_grad()
-def _diffusers_deltas(model: str, path: Path) -> tuple[dict[str, torch.Tensor], object]:
-    """Per-module `lora_B @ lora_A * scaling` after diffusers' own load_lora_weights on a fresh pipeline."""
-    pipe = build_builtin_pipeline(model)
-    pipe.load_lora_weights(str(path))
-    deltas = {}
-    for name, module in getattr(pipe, DENOISER[model]).named_modules():
-        if isinstance(module, LoraLayer):
-            (adapter,) = module.lora_A.keys()
-            deltas[name] = module.lora_B[adapter].weight @ module.lora_A[adapter].weight * module.scaling[adapter]
-    return deltas, pipe
-
-
-def _canonical_deltas(adapter) -> dict[str, torch.Tensor]:
-    return {name: layer.b.float() @ layer.a.float() for name, layer in adapter.layers.items()}
-
-
-def _assert_same_deltas(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-6):
-    assert actual.keys() == expected.keys()
-    for name, delta in expected.items():
-        torch.testing.assert_close(actual[name], delta, rtol=1e-5, atol=atol, msg=name)
-
-
 def _raw_factors(path: Path, prefix: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     raw = load_file(str(path))
     modules = {key.removeprefix(prefix + ".").removesuffix(".lora_A.weight") for key in raw if ".lora_A." in key}
@@ -122,8 +96,8 @@ def test_matches_diffusers(
     path = _write_random(model, tmp_path, rank=rank, alpha=alpha, target_modules=targets)
     adapter = _load(path, spec)
 
-    expected, _ = _diffusers_deltas(model, path)
-    _assert_same_deltas(_canonical_deltas(adapter), expected)
+    expected, _ = diffusers_deltas(model, path)
+    assert_same_deltas(canonical_deltas(adapter), expected)
     assert adapter.name == "test/adapter"
     assert adapter.source == f"file://{path}"
     assert adapter.warnings == ()
@@ -180,8 +154,8 @@ def test_per_layer_alpha_and_rank(
     path = _write_peft_flux(tmp_path, config)
     adapter = _load(path, specs["tiny-flux"])
 
-    expected, _ = _diffusers_deltas("tiny-flux", path)
-    _assert_same_deltas(_canonical_deltas(adapter), expected)
+    expected, _ = diffusers_deltas("tiny-flux", path)
+    assert_same_deltas(canonical_deltas(adapter), expected)
     raw = _raw_factors(path, "transformer")
     for name, (lora_a, lora_b) in raw.items():
         assert adapter.layers[name].rank == lora_a.shape[0]
@@ -201,7 +175,7 @@ def test_converts_to_the_slot_dtype(
     specs: dict[str, SlotSpec], tmp_path: Path, file_dtype: torch.dtype, slot_dtype: torch.dtype, atol: float
 ) -> None:
     path = _write_random("tiny-flux", tmp_path / "f32", rank=4, alpha=8.0, target_modules=("to_q",))
-    expected = _canonical_deltas(_load(path, specs["tiny-flux"]))
+    expected = canonical_deltas(_load(path, specs["tiny-flux"]))
     raw = load_file(str(path))
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
@@ -211,7 +185,7 @@ def test_converts_to_the_slot_dtype(
     adapter = _load(cast, dataclasses.replace(specs["tiny-flux"], dtype=slot_dtype))
     for layer in adapter.layers.values():
         assert layer.a.dtype == layer.b.dtype == slot_dtype
-    _assert_same_deltas(_canonical_deltas(adapter), expected, atol=atol)
+    assert_same_deltas(canonical_deltas(adapter), expected, atol=atol)
 
 
 def test_text_encoder_layers_dropped_with_warning_or_refused(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
@@ -228,9 +202,9 @@ def test_text_encoder_layers_dropped_with_warning_or_refused(specs: dict[str, Sl
     )
 
     adapter = _load(path, specs["tiny-flux"])
-    expected, reference = _diffusers_deltas("tiny-flux", path)
+    expected, reference = diffusers_deltas("tiny-flux", path)
     assert any(isinstance(m, LoraLayer) for m in reference.text_encoder.modules()), "the text-encoder keys are real"
-    _assert_same_deltas(_canonical_deltas(adapter), expected)
+    assert_same_deltas(canonical_deltas(adapter), expected)
     (warning,) = adapter.warnings
     assert "text_encoder (4 tensors)" in warning
 

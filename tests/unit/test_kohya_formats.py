@@ -24,20 +24,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
 from loraswap.engine.adapters.canonical import SlotSpec, load_canonical
 from loraswap.engine.adapters.sources import AdapterFile
-from loraswap.engine.config import EngineConfig
 from loraswap.engine.errors import AdapterFormatError, AdapterIncompatibleError, EngineError
-from loraswap.engine.models import build_builtin_pipeline
-from loraswap.engine.pipeline import DiffusionRuntime
+from tests.unit.lora_reference import assert_same_deltas, canonical_deltas, diffusers_deltas, tiny_slot_specs
 
 torch.set_num_threads(1)
 
-MAX_RANK = 16
-DENOISER = {"tiny-flux": "transformer", "tiny-sdxl": "unet"}
 WHOLE = slice(None)
 Q, K, V = slice(0, 32), slice(32, 64), slice(64, 96)
 
@@ -100,12 +95,7 @@ ALPHAS = (1.0, 8.0, None, 2.0)  # cycled over modules; None writes no alpha key 
 
 @pytest.fixture(scope="module")
 def specs() -> dict[str, SlotSpec]:
-    return {
-        model: DiffusionRuntime(
-            EngineConfig(model=model, max_rank=MAX_RANK, compile=False, warmup=False, torch_threads=1)
-        ).slot_spec()
-        for model in DENOISER
-    }
+    return tiny_slot_specs()
 
 
 def _kohya_file(
@@ -151,30 +141,8 @@ def _kohya_deltas(tensors: dict[str, torch.Tensor], mapping: dict[str, list[tupl
     return deltas
 
 
-@torch.no_grad()
-def _diffusers_deltas(model: str, path: Path) -> dict[str, torch.Tensor]:
-    pipe = build_builtin_pipeline(model)
-    pipe.load_lora_weights(str(path))
-    deltas = {}
-    for name, module in getattr(pipe, DENOISER[model]).named_modules():
-        if isinstance(module, LoraLayer):
-            (adapter,) = module.lora_A.keys()
-            deltas[name] = module.lora_B[adapter].weight @ module.lora_A[adapter].weight * module.scaling[adapter]
-    return deltas
-
-
 def _load(path: Path, spec: SlotSpec):
     return load_canonical(AdapterFile(name=path.stem, path=path, source=str(path)), spec)
-
-
-def _assert_same_deltas(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert actual.keys() == expected.keys()
-    for name, delta in expected.items():
-        torch.testing.assert_close(actual[name], delta, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def _canonical_deltas(adapter) -> dict[str, torch.Tensor]:
-    return {name: layer.b @ layer.a for name, layer in adapter.layers.items()}
 
 
 FLUX_CASES = {
@@ -192,9 +160,9 @@ def test_flux_kohya_matches_diffusers_and_kohya(specs: dict[str, SlotSpec], tmp_
     tensors = _kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, rank=rank)
 
     adapter = _load(path, specs["tiny-flux"])
-    canonical = _canonical_deltas(adapter)
-    _assert_same_deltas(canonical, _diffusers_deltas("tiny-flux", path))
-    _assert_same_deltas(canonical, _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
+    canonical = canonical_deltas(adapter)
+    assert_same_deltas(canonical, diffusers_deltas("tiny-flux", path)[0])
+    assert_same_deltas(canonical, _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
     assert adapter.rank == rank
     assert adapter.warnings == ()
 
@@ -206,9 +174,9 @@ def test_flux_kohya_block_sparse_qkv_splits_rank(specs: dict[str, SlotSpec], tmp
     tensors = _kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, rank=6, sparse_qkv=True)
 
     adapter = _load(path, specs["tiny-flux"])
-    canonical = _canonical_deltas(adapter)
-    _assert_same_deltas(canonical, _diffusers_deltas("tiny-flux", path))
-    _assert_same_deltas(canonical, _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
+    canonical = canonical_deltas(adapter)
+    assert_same_deltas(canonical, diffusers_deltas("tiny-flux", path)[0])
+    assert_same_deltas(canonical, _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
     ranks = {name: layer.rank for name, layer in adapter.layers.items()}
     assert ranks["transformer_blocks.0.attn.to_q"] == ranks["transformer_blocks.0.attn.add_v_proj"] == 2
     assert ranks["transformer_blocks.0.attn.to_out.0"] == ranks["transformer_blocks.0.ff.net.2"] == 6
@@ -224,8 +192,8 @@ def test_flux_kohya_final_layer_reaches_proj_out(specs: dict[str, SlotSpec], tmp
     path = tmp_path / "kohya_final.safetensors"
     tensors = _kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, alphas={})
     adapter = _load(path, specs["tiny-flux"])
-    _assert_same_deltas(
-        _canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
+    assert_same_deltas(
+        canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
     )
 
 
@@ -237,8 +205,8 @@ def test_flux_kohya_text_encoder_dropped_or_refused(specs: dict[str, SlotSpec], 
     tensors = _kohya_file(path, modules)
 
     adapter = _load(path, specs["tiny-flux"])
-    _assert_same_deltas(
-        _canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
+    assert_same_deltas(
+        canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
     )
     (warning,) = adapter.warnings
     assert "text_encoder (2 tensors)" in warning
@@ -294,7 +262,7 @@ def test_diffusers_reads_the_sdxl_files_as_kohya_means_them(tmp_path: Path, layo
     modules, alphas, mapping = _sdxl_modules(layout)
     path = tmp_path / "kohya_sdxl.safetensors"
     tensors = _kohya_file(path, modules, alphas=alphas)
-    _assert_same_deltas(_diffusers_deltas("tiny-sdxl", path), _kohya_deltas(tensors, mapping))
+    assert_same_deltas(diffusers_deltas("tiny-sdxl", path)[0], _kohya_deltas(tensors, mapping))
 
 
 @pytest.mark.parametrize("layout", ["diffusers_names", "sgm_names"])
@@ -309,12 +277,12 @@ def test_sdxl_kohya_matches_kohya(
     tensors = _kohya_file(path, modules, alphas=alphas)
 
     adapter = _load(path, specs["tiny-sdxl"])
-    canonical = _canonical_deltas(adapter)
-    _assert_same_deltas(canonical, _kohya_deltas(tensors, mapping))
+    canonical = canonical_deltas(adapter)
+    assert_same_deltas(canonical, _kohya_deltas(tensors, mapping))
     if layout == "diffusers_names" and not with_text_encoders:
         # The sgm spelling is the same layers (the oracle test above); with kohya text-encoder keys
         # diffusers' own text-encoder loader raises, so only kohya's arithmetic is the reference there.
-        _assert_same_deltas(canonical, _diffusers_deltas("tiny-sdxl", path))
+        assert_same_deltas(canonical, diffusers_deltas("tiny-sdxl", path)[0])
     if with_text_encoders:
         (warning,) = adapter.warnings
         assert "text_encoder (2 tensors)" in warning and "text_encoder_2 (2 tensors)" in warning
@@ -336,7 +304,7 @@ def test_sdxl_kohya_minority_attention_alpha(specs: dict[str, SlotSpec], tmp_pat
     to_q = SDXL_LAYERS[0][4]
     path = tmp_path / "kohya_sdxl_alpha.safetensors"
     tensors = _kohya_file(path, modules, alphas=alphas | {to_q: 16.0})
-    _assert_same_deltas(_canonical_deltas(_load(path, specs["tiny-sdxl"])), _kohya_deltas(tensors, mapping))
+    assert_same_deltas(canonical_deltas(_load(path, specs["tiny-sdxl"])), _kohya_deltas(tensors, mapping))
 
 
 def test_flux_comfyui_prefixed_file_matches_diffusers(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
@@ -348,7 +316,7 @@ def test_flux_comfyui_prefixed_file_matches_diffusers(specs: dict[str, SlotSpec]
     path = tmp_path / "comfyui.safetensors"
     save_file(comfy, path)
     adapter = _load(path, specs["tiny-flux"])
-    _assert_same_deltas(_canonical_deltas(adapter), _diffusers_deltas("tiny-flux", path))
-    _assert_same_deltas(
-        _canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
+    assert_same_deltas(canonical_deltas(adapter), diffusers_deltas("tiny-flux", path)[0])
+    assert_same_deltas(
+        canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
     )
