@@ -132,8 +132,12 @@ async def test_deadline_ends_with_deadline_exceeded_and_the_worker_moves_on(clie
     assert after.timings.queue_ms < 500 and time.perf_counter() - started < 5
 
 
-async def test_waiting_requests_for_the_resident_adapter_go_first_but_never_starve(client):
-    """max_bypass=2: a base-model request behind the resident adapter's is passed over at most twice."""
+async def queue_base_behind_resident_adapter(client):
+    """While an r4-attn request runs, queue a base-model request, then two r4-attn ones.
+
+    Returns the running request, the queued tasks, the labels in finishing order, and `submit`
+    to queue more (label, adapter) requests the same way.
+    """
     holder = await wait_until_running(client, seed=1, adapter="r4-attn")
     finished: list[str] = []
 
@@ -141,11 +145,21 @@ async def test_waiting_requests_for_the_resident_adapter_go_first_but_never_star
         await client.generate_image("order", seed=8, adapter=adapter, num_inference_steps=2)
         finished.append(label)
 
-    tasks = [asyncio.ensure_future(one("base", ""))]
+    def submit(label, adapter):
+        tasks.append(asyncio.ensure_future(one(label, adapter)))
+
+    tasks: list[asyncio.Future] = []
+    submit("base", "")
     await asyncio.sleep(0.05)
     for index in range(2):
-        tasks.append(asyncio.ensure_future(one(f"r4-{index}", "r4-attn")))
+        submit(f"r4-{index}", "r4-attn")
         await asyncio.sleep(0.05)
+    return holder, tasks, finished, submit
+
+
+async def test_waiting_requests_for_the_resident_adapter_go_first_but_never_starve(client):
+    """max_bypass=2: a base-model request behind the resident adapter's is passed over at most twice."""
+    holder, tasks, finished, _ = await queue_base_behind_resident_adapter(client)
     assert not holder.done()
     await asyncio.gather(*tasks)
     await holder
@@ -156,23 +170,12 @@ async def test_waiting_requests_for_the_resident_adapter_go_first_but_never_star
 async def test_bypass_limit_holds_under_adversarial_arrivals(client, queue_server):
     """A stream of resident-adapter requests cannot starve a base request beyond max_bypass."""
     scheduler = queue_server.engine._scheduler
-    holder = await wait_until_running(client, seed=1, adapter="r4-attn")
-    finished: list[str] = []
-
-    async def one(label, adapter):
-        await client.generate_image("order", seed=8, adapter=adapter, num_inference_steps=2)
-        finished.append(label)
-
-    tasks = [asyncio.ensure_future(one("base", ""))]
-    await asyncio.sleep(0.05)
-    for index in range(2):
-        tasks.append(asyncio.ensure_future(one(f"r4-{index}", "r4-attn")))
-        await asyncio.sleep(0.05)
+    holder, tasks, finished, submit = await queue_base_behind_resident_adapter(client)
     # Keep feeding resident-adapter requests as soon as there is room in the queue.
     for index in range(2, 6):
         while scheduler.queue_length >= scheduler.max_queue:
             await asyncio.sleep(0.005)
-        tasks.append(asyncio.ensure_future(one(f"r4-{index}", "r4-attn")))
+        submit(f"r4-{index}", "r4-attn")
         await asyncio.sleep(0.02)
     await asyncio.gather(*tasks)
     await holder
