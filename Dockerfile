@@ -13,10 +13,24 @@ RUN python3 -m venv $VIRTUAL_ENV && pip install --no-cache-dir --upgrade pip \
     && pip install --no-cache-dir torch==2.13.0
 
 WORKDIR /app
-COPY pyproject.toml setup.py README.md ./
+# Dependencies first, from the two pyproject files alone, so that editing the code does not reinstall them.
+COPY client/pyproject.toml client/pyproject.toml
+COPY server/pyproject.toml server/pyproject.toml
+RUN python3 -c 'import tomllib; print("\n".join(r for side in ("client", "server") \
+        for r in tomllib.load(open(f"{side}/pyproject.toml", "rb"))["project"]["dependencies"] \
+        if not r.startswith("loraswap-")))' > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt
+
+# Then the contract and the code; --no-deps: everything they need is installed above.
 COPY protos protos
-COPY src src
-RUN pip install --no-cache-dir .
+COPY client client
+COPY server server
+RUN pip install --no-cache-dir --no-deps ./client ./server
+
+# Run as an unprivileged user; the Hub cache lives in its home.
+RUN useradd --create-home --uid 10001 loraswap && mkdir -p /adapters && chown loraswap /adapters
+USER loraswap
+ENV HF_HOME=/home/loraswap/.cache/huggingface
 
 ENV MODEL_ID=black-forest-labs/FLUX.1-dev \
     LORASWAP_ADAPTER_DIR=/adapters \

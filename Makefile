@@ -1,17 +1,17 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   creates .venv, installs loraswap, runs the server + a demo client swapping adapters
-#   make test   creates .venv, installs loraswap with its test tools, runs the tests
+#   make demo   creates .venv, installs loraswap (client + server), runs the server + a demo client swapping adapters
+#   make test   creates .venv, installs both with the test tools, runs the tests
 PYTHON ?= python3
 VENV ?= .venv
 # pip takes this torch from the local wheel on the CPU dev machines and the CUDA build on GPU machines.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-$(BIN)/.installed: pyproject.toml setup.py protos/loraswap/v1/*.proto
+$(BIN)/.installed: client/pyproject.toml client/setup.py server/pyproject.toml protos/loraswap/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ./client -e "./server[test]"
 	touch $@
 
 .PHONY: install demo test

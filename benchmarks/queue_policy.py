@@ -36,9 +36,9 @@ def percentile(values: list[float], fraction: float) -> float:
 
 async def run_policy(args, adapter_dir: Path, sequence: list[int], max_bypass: int) -> dict:
     from loraswap.client import AsyncLoraswapClient
-    from loraswap.engine.config import EngineConfig
     from loraswap.server.app import start_server
     from loraswap.server.config import Settings
+    from loraswap.server.engine.config import EngineConfig
 
     settings = Settings(
         engine=EngineConfig(
@@ -85,8 +85,8 @@ async def run_policy(args, adapter_dir: Path, sequence: list[int], max_bypass: i
 def write_adapters(model: str, directory: Path, count: int, rank: int) -> None:
     import torch
 
-    from loraswap.engine.adapters.random_adapter import write_random_adapter
-    from loraswap.engine.pipeline import load_pipeline
+    from loraswap.server.devtools.random_adapter import write_random_adapter
+    from loraswap.server.engine.models import load_pipeline
 
     pipe = load_pipeline(model, torch.float32)
     for index in range(count):

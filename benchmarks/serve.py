@@ -71,37 +71,35 @@ def adapter_name(index: int) -> str:
 def prepare_model(args, workdir: Path) -> tuple[str, object, float]:
     """The --model value the server gets, a pipeline to write adapters against, and the seconds spent.
 
-    Random full-size models are exported to a folder (the model dispatcher may not know their names).
+    The full-size random models (those export-model does not write) are built here in --dtype,
+    at --layers depth, and saved to a folder the server loads with --model DIR; the others are
+    served by name.
     """
     import torch
 
-    from loraswap.engine.models import BUILTIN_MODELS, build_builtin_pipeline
-    from loraswap.engine.models.random_full import RANDOM_FULL_MODELS, build_random_pipeline
+    from loraswap.server.engine.models import BUILTINS, save_model_folder
 
     started = time.perf_counter()
-    if args.model in BUILTIN_MODELS:
-        return args.model, build_builtin_pipeline(args.model), time.perf_counter() - started
-    if args.model not in RANDOM_FULL_MODELS:
-        raise SystemExit(f"unknown --model {args.model!r}; use one of {', '.join(BUILTIN_MODELS + RANDOM_FULL_MODELS)}")
-    from loraswap.engine.models import GENERATION_DEFAULTS_FILE
-    from loraswap.engine.models.random_full import random_full_defaults
-
-    pipe = build_random_pipeline(args.model, torch_dtype=getattr(torch, args.dtype), layers=args.layers)
-    folder = workdir / args.model
-    pipe.save_pretrained(folder, safe_serialization=True)
-    (folder / GENERATION_DEFAULTS_FILE).write_text(json.dumps(random_full_defaults(args.model)) + "\n")
+    builtin = BUILTINS.get(args.model)
+    if builtin is None:
+        raise SystemExit(f"unknown --model {args.model!r}; use one of {', '.join(BUILTINS)}")
+    if builtin.exportable:
+        return args.model, builtin.build(torch.float32), time.perf_counter() - started
+    pipe = builtin.build(getattr(torch, args.dtype), args.layers)
+    folder = save_model_folder(pipe, workdir / args.model, builtin.defaults)
     return str(folder), pipe, time.perf_counter() - started
 
 
 def write_adapters(pipe, adapter_dir: Path, count: int, rank: int) -> tuple[float, int]:
     """`count` random rank-`rank` adapters on the attention projections; returns seconds and bytes of one."""
     from benchmarks.swap import write_lora_file
-    from loraswap.engine.pipeline import family_of, resolve_target_layers
+    from loraswap.server.engine.families import family_of
+    from loraswap.server.engine.target_layers import resolve_target_layers
 
     started = time.perf_counter()
-    family = family_of(pipe).value
-    denoiser = pipe.transformer if family == "flux" else pipe.unet
-    patterns = ATTENTION_PROJECTIONS[family]
+    traits = family_of(pipe)
+    denoiser = traits.denoiser(pipe)
+    patterns = ATTENTION_PROJECTIONS[traits.family.value]
     layers = resolve_target_layers(denoiser, patterns)
     size = 0
     for index in range(count):
@@ -113,7 +111,7 @@ def write_adapters(pipe, adapter_dir: Path, count: int, rank: int) -> tuple[floa
 
 
 def engine_config(args, model: str, adapter_dir: Path):
-    from loraswap.engine.config import EngineConfig
+    from loraswap.server.engine.config import EngineConfig
 
     return EngineConfig(
         model=model,
@@ -131,17 +129,17 @@ def measure_direct(args, model: str, adapter_dir: Path) -> dict:
     """The engine runtime called in-process (no scheduler, no gRPC): per-step and per-request baselines."""
     import torch
 
-    from loraswap.engine.adapters.canonical import load_canonical
-    from loraswap.engine.adapters.sources import AdapterFile
-    from loraswap.engine.pipeline import DiffusionRuntime
-    from loraswap.engine.types import GenerationRequest
+    from loraswap.server.engine.adapters.canonical import load_canonical
+    from loraswap.server.engine.adapters.sources import AdapterFile
+    from loraswap.server.engine.runtime import DiffusionRuntime
+    from loraswap.server.engine.types import GenerationRequest
 
     started = time.perf_counter()
     runtime = DiffusionRuntime(engine_config(args, model, adapter_dir))
     ready_s = time.perf_counter() - started
     path = adapter_dir / adapter_name(0) / "pytorch_lora_weights.safetensors"
     adapter = load_canonical(AdapterFile(adapter_name(0), path, "local"), runtime.slot_spec())
-    params = runtime.resolve(
+    params = runtime.request_rules.resolve(
         GenerationRequest(
             prompt=PROMPT, adapter=adapter_name(0), seed=0, num_inference_steps=args.steps,
             width=args.size, height=args.size,
@@ -176,7 +174,7 @@ class ServerProcess:
 
     def __init__(self, args, model: str, adapter_dir: Path, log_path: Path) -> None:
         command = [
-            sys.executable, "-m", "loraswap.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
+            sys.executable, "-m", "loraswap.client.command", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
             "--adapter-dir", str(adapter_dir), "--torch-threads", str(args.threads), "--device", "cpu",
             "--dtype", args.dtype, "--max-rank", str(args.max_rank), "--log-level", "WARNING",
         ]  # fmt: skip

@@ -102,17 +102,15 @@ def machine_info() -> dict[str, object]:
 
 
 def build_pipeline(model: str, dtype: torch.dtype, layers: int | None):
-    """A built-in tiny pipeline or a random full-size one (the real denoiser architecture)."""
-    from loraswap.engine.models import BUILTIN_MODELS, build_builtin_pipeline
-    from loraswap.engine.models.random_full import RANDOM_FULL_MODELS, build_random_pipeline
+    """A built-in pipeline: a tiny one or a random full-size one (the real denoiser architecture)."""
+    from loraswap.server.engine.models import BUILTINS
 
-    if model in BUILTIN_MODELS:
-        if layers is not None:
-            raise SystemExit("--layers applies to random-flux only")
-        return build_builtin_pipeline(model, torch_dtype=dtype)
-    if model in RANDOM_FULL_MODELS:
-        return build_random_pipeline(model, torch_dtype=dtype, layers=layers)
-    raise SystemExit(f"unknown --model {model!r}; use one of {', '.join(BUILTIN_MODELS + RANDOM_FULL_MODELS)}")
+    if model not in BUILTINS:
+        raise SystemExit(f"unknown --model {model!r}; use one of {', '.join(BUILTINS)}")
+    try:
+        return BUILTINS[model].build(dtype, layers)
+    except ValueError as exc:  # --layers where the model takes none, or out of range
+        raise SystemExit(str(exc)) from exc
 
 
 def write_lora_file(
@@ -123,11 +121,12 @@ def write_lora_file(
     The factors are drawn directly (no PEFT layers are put on the model), so
     writing adapters for a 2.6 B-parameter UNet costs only the file's bytes.
     """
-    from diffusers import FluxPipeline, StableDiffusionXLPipeline
     from peft import LoraConfig
 
-    is_flux = isinstance(pipe, FluxPipeline)
-    denoiser = pipe.transformer if is_flux else pipe.unet
+    from loraswap.server.engine.families import family_of
+
+    traits = family_of(pipe)
+    denoiser = traits.denoiser(pipe)
     dtype = denoiser.dtype
     generator = torch.Generator("cpu").manual_seed(seed)
     state_dict = {}
@@ -138,24 +137,17 @@ def write_lora_file(
         state_dict[f"{name}.lora_A.weight"] = a.to(dtype)
         state_dict[f"{name}.lora_B.weight"] = b.to(dtype)
     metadata = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(patterns), init_lora_weights=False).to_dict()
-    if is_flux:
-        FluxPipeline.save_lora_weights(
-            directory, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
-        )
-    else:
-        StableDiffusionXLPipeline.save_lora_weights(
-            directory, unet_lora_layers=state_dict, unet_lora_adapter_metadata=metadata
-        )
+    traits.save_lora_weights(directory, state_dict, metadata)
     return directory / ADAPTER_WEIGHT_NAME
 
 
 class SwapBench:
     """One pipeline, its adapters on disk, and a timed run of each swap path over a pair of adapters."""
 
-    def __init__(self, pipe, family, layer_names: list[str], max_rank: int, repeats: int) -> None:
+    def __init__(self, pipe, traits, layer_names: list[str], max_rank: int, repeats: int) -> None:
         self.pipe = pipe
-        self.family = family
-        self.denoiser = pipe.transformer if family.value == "flux" else pipe.unet
+        self.family = traits.family
+        self.denoiser = traits.denoiser(pipe)
         self.layer_names = layer_names
         self.max_rank = max_rank
         self.repeats = repeats
@@ -237,7 +229,7 @@ class SwapBench:
 
     def install_slot(self) -> float:
         """Put loraswap's max-rank placeholder on the layers (start-up work, like the server's); returns seconds."""
-        from loraswap.engine.adapters.slot import HotswapSlot
+        from loraswap.server.engine.adapters.slot import HotswapSlot
 
         started = time.perf_counter()
         self.slot = HotswapSlot.install(self.denoiser, self.layer_names, self.max_rank, self.dtype, torch.device("cpu"))
@@ -245,8 +237,8 @@ class SwapBench:
         return time.perf_counter() - started
 
     def _load_canonical(self, path: Path):
-        from loraswap.engine.adapters.canonical import load_canonical
-        from loraswap.engine.adapters.sources import AdapterFile
+        from loraswap.server.engine.adapters.canonical import load_canonical
+        from loraswap.server.engine.adapters.sources import AdapterFile
 
         return load_canonical(AdapterFile(name=path.parent.name, path=path, source="local"), self.spec)
 
@@ -310,9 +302,9 @@ class SwapBench:
         Returns the graphs compiled after the first run: a swap that changed a
         shape, a dtype or a guarded attribute would show up here.
         """
-        from loraswap.engine.pipeline import _CountingBackend
+        from loraswap.server.engine.compile import CountingBackend
 
-        counter = _CountingBackend(backend)
+        counter = CountingBackend(backend)
         self.denoiser.compile(backend=counter)
         kwargs = dict(
             prompt="recompilation check", num_inference_steps=1, width=size, height=size, output_type="latent"
@@ -428,7 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
     diffusers.utils.logging.set_verbosity_error()
     # dynamo's notes on diffusers' code say nothing about swaps; keep stderr readable.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._dynamo")
-    from loraswap.engine.pipeline import family_of, resolve_target_layers
+    from loraswap.server.engine.families import family_of
+    from loraswap.server.engine.target_layers import resolve_target_layers
 
     run_started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
@@ -436,8 +429,9 @@ def main(argv: list[str] | None = None) -> dict:
     pipe = build_pipeline(args.model, dtype, args.layers)
     pipe.set_progress_bar_config(disable=True)
     build_s = time.perf_counter() - started
-    family = family_of(pipe)
-    denoiser = pipe.transformer if family.value == "flux" else pipe.unet
+    traits = family_of(pipe)
+    family = traits.family
+    denoiser = traits.denoiser(pipe)
     denoiser.requires_grad_(False)
     patterns = ATTENTION_PROJECTIONS[family.value]
     layer_names = resolve_target_layers(denoiser, patterns)
@@ -465,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
     headline = (files[f"r{args.rank}-a"], files[f"r{args.rank}-b"])
     mixed = (files[f"r{args.mixed[0]}-a"], files[f"r{args.mixed[1]}-a"]) if args.mixed else None
 
-    bench = SwapBench(pipe, family, layer_names, max_rank, args.repeats)
+    bench = SwapBench(pipe, traits, layer_names, max_rank, args.repeats)
     diffusers_paths = tuple(p for p in args.path_list if p.startswith("diffusers_"))
     own_paths = tuple(p for p in args.path_list if not p.startswith("diffusers_"))
     pairs = [("headline", headline)] + ([("mixed_rank", mixed)] if mixed else [])
@@ -540,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _depth(model: str, layers: int | None) -> object:
     """Which depth was measured: Flux's (double, single) blocks; 'full' for SDXL."""
     if model == "random-flux":
-        from loraswap.engine.models.random_full import flux_depth
+        from loraswap.server.engine.models.random_full import flux_depth
 
         double, single = flux_depth(layers)
         return {"double_blocks": double, "single_blocks": single, "full_depth": layers is None}

@@ -1,7 +1,7 @@
 """Score a `shapes`-style model folder (optionally with one LoRA adapter) on the prompt set; prints JSON.
 
 Each prompt is drawn once (seed = its index + --seed) and read by the pixel
-classifier (loraswap.engine.models.classifier).  What counts as right depends
+classifier (training.shapes_classifier).  What counts as right depends
 on --style, i.e. what the adapter is meant to do:
 
     base         shape, color and background as the caption says, filled
@@ -9,7 +9,7 @@ on --style, i.e. what the adapter is meant to do:
     swap-colors  shape color and background color exchanged
     purple       a purple shape on the caption's background
 
-    python training/evaluate.py src/loraswap/engine/models/shapes_weights
+    python training/evaluate.py server/src/loraswap/server/engine/models/shapes_weights
     python training/evaluate.py MODEL --adapter .../adapters/outline --style outline
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loraswap.engine.models.classifier import ShapeReading, classify_image
+from training.shapes_classifier import ShapeReading, classify_image
 from training.shapes_data import Prompt, Scene, prompt_set, restyle
 
 STYLES = ("base", "outline", "swap-colors", "purple")

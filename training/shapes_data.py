@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from loraswap.engine.models.classifier import BASE_COLORS, PALETTE, SHAPES
+from training.shapes_classifier import BASE_COLORS, PALETTE, SHAPES
 
 SIZE = 64
 _SUPERSAMPLE = 4

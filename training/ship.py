@@ -1,4 +1,4 @@
-"""Copy a trained model and its adapters into the package (src/loraswap/engine/models/shapes_weights).
+"""Copy a trained model and its adapters into the package (server/src/loraswap/server/engine/models/shapes_weights).
 
 Weights are stored as bfloat16 (the engine loads them back as float32); the
 README records that this changed no score.  --shift sets the scheduler's shift.
@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loraswap.engine.models.shapes import shapes_adapter_dir, shapes_weights_dir
+from loraswap.server.engine.models.shapes import shapes_adapter_dir, shapes_weights_dir
 from training.common import DEFAULT_WORK
 from training.shapes_data import ADAPTER_STYLES
 

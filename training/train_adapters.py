@@ -23,7 +23,7 @@ import torch
 from diffusers import FluxPipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loraswap.engine.models.shapes import SHAPES_MAX_SEQUENCE_LENGTH
+from loraswap.server.engine.models.shapes import SHAPES_MAX_SEQUENCE_LENGTH
 from training.common import (
     DEFAULT_WORK,
     TextBatcher,

@@ -1,6 +1,6 @@
 """Train the `shapes` transformer and text encoders with flow matching on cached VAE latents.
 
-Starts from untrained_shapes_components() (loraswap.engine.models.shapes) and
+Starts from untrained_shapes_components() (training/shapes_components.py) and
 the VAE of train_vae.py; 10% caption dropout (empty caption, which true CFG's
 empty negative prompt then matches), EMA 0.999.  Writes OUT/model, a diffusers
 folder with the EMA weights.  Resumable from OUT/transformer_checkpoint.pt.
@@ -21,7 +21,7 @@ import torch
 from diffusers import AutoencoderKL, FluxPipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loraswap.engine.models.shapes import SHAPES_MAX_SEQUENCE_LENGTH, untrained_shapes_components
+from loraswap.server.engine.models.shapes import SHAPES_MAX_SEQUENCE_LENGTH
 from training.common import (
     DEFAULT_WORK,
     TextBatcher,
@@ -32,6 +32,7 @@ from training.common import (
     scaled_latents,
     setup,
 )
+from training.shapes_components import untrained_shapes_components
 
 TRAINED = ("transformer", "text_encoder", "text_encoder_2")
 

@@ -5,22 +5,8 @@ from __future__ import annotations
 import pytest_asyncio
 
 from loraswap.client import AsyncLoraswapClient
-from loraswap.engine.config import EngineConfig
 from loraswap.server.app import start_server
-from loraswap.server.config import Settings
-from tests.conftest import TEST_TORCH_THREADS
-
-
-def server_settings(model: str, adapter_dir, **engine) -> Settings:
-    engine.setdefault("compile", True)
-    engine.setdefault("compile_backend", "aot_eager")
-    return Settings(
-        engine=EngineConfig(
-            model=model, adapter_dir=adapter_dir, max_rank=16, torch_threads=TEST_TORCH_THREADS, **engine
-        ),
-        host="127.0.0.1",
-        port=0,
-    )
+from tests.support.servers import server_settings
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -12,12 +12,13 @@ import torch
 from safetensors.torch import save_file
 
 from loraswap.client import AsyncLoraswapClient, LoraswapError, Progress
-from loraswap.engine.adapters.random_adapter import write_random_adapter
-from loraswap.engine.models import build_builtin_pipeline
 from loraswap.server.app import start_server
-from tests.conftest import DiffusersReference, assert_images_close, decode
-from tests.integration.conftest import server_settings
-from tests.unit.test_kohya_formats import FLUX_SINGLE, _flux_double, _kohya_file
+from loraswap.server.devtools.random_adapter import write_random_adapter
+from loraswap.server.engine.models import builtin_model
+from tests.support.images import assert_images_close, decode
+from tests.support.kohya_files import FLUX_SINGLE, flux_double, kohya_file
+from tests.support.reference import DiffusersReference
+from tests.support.servers import server_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -28,13 +29,13 @@ GOOD = "good"
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
-    flux = build_builtin_pipeline("tiny-flux")
+    flux = builtin_model("tiny-flux").build()
     write_random_adapter(flux, root / GOOD, rank=4, seed=1, init_std=0.5)
     write_random_adapter(flux, root / "other", rank=8, seed=2, init_std=0.5, target_modules=("to_q", "to_v"))
     write_random_adapter(flux, root / "third", rank=4, seed=8, init_std=0.5, target_modules=("to_q",))
     write_random_adapter(flux, root / "rank32", rank=32, seed=3)
     write_random_adapter(flux, root / "outside", rank=4, seed=4, target_modules=("norm1.linear",))
-    write_random_adapter(build_builtin_pipeline("tiny-sdxl"), root / "sdxl-on-flux", rank=4, seed=5)
+    write_random_adapter(builtin_model("tiny-sdxl").build(), root / "sdxl-on-flux", rank=4, seed=5)
     tensors = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 32, dtype=torch.int32),
                "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(32, 4, dtype=torch.int32)}
     save_file(tensors, root / "int-dtype.safetensors")
@@ -48,8 +49,8 @@ def store_dir(tmp_path_factory):
     os.symlink(outside_dir / "secret", root / "escape")
     _write_with_text_encoder(flux, root / "with-text-encoder")
     (root / "kohya-flux").mkdir()
-    layout = {**_flux_double(0), **_flux_double(1), **FLUX_SINGLE}
-    _kohya_file(root / "kohya-flux" / "pytorch_lora_weights.safetensors",
+    layout = {**flux_double(0), **flux_double(1), **FLUX_SINGLE}
+    kohya_file(root / "kohya-flux" / "pytorch_lora_weights.safetensors",
                 {module: (i, o) for module, (i, o, _) in layout.items()}, rank=4, seed=7)
     return root  # fmt: skip
 
@@ -237,11 +238,11 @@ async def test_hub_ids_are_served_from_a_local_hub_cache_offline(store_dir, tmp_
 
 
 async def test_kohya_sdxl_file_matches_diffusers_own_loading(tmp_path, exported_models):
-    from tests.unit.test_kohya_formats import _sdxl_modules
+    from tests.support.kohya_files import sdxl_modules
 
-    modules, alphas, _ = _sdxl_modules("sgm_names")
+    modules, alphas, _ = sdxl_modules("sgm_names")
     (tmp_path / "kohya-sdxl").mkdir()
-    _kohya_file(tmp_path / "kohya-sdxl" / "pytorch_lora_weights.safetensors", modules, rank=4, alphas=alphas, seed=9)
+    kohya_file(tmp_path / "kohya-sdxl" / "pytorch_lora_weights.safetensors", modules, rank=4, alphas=alphas, seed=9)
     reference = DiffusersReference(exported_models["tiny-sdxl"], "sdxl", tmp_path)
     running = await start_server(server_settings("tiny-sdxl", tmp_path, compile=False))
     try:

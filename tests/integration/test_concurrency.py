@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.conftest import assert_images_close, decode
+from tests.support.images import assert_images_close, decode
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -6,8 +6,8 @@ import pytest
 
 from loraswap.client import AsyncLoraswapClient
 from loraswap.server.app import start_server
-from tests.conftest import assert_images_close, decode
-from tests.integration.conftest import server_settings
+from tests.support.images import assert_images_close, decode
+from tests.support.servers import server_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraswap.client import AsyncLoraswapClient, GeneratedImage, LoraswapError, Progress, Queued
 from loraswap.server.app import start_server
-from tests.integration.conftest import server_settings
+from tests.support.servers import server_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -12,13 +12,14 @@ import numpy as np
 import torch
 
 from loraswap.client import LoraswapClient
-from loraswap.engine.models import build_builtin_pipeline
-from tests.conftest import TEST_TORCH_THREADS, assert_images_close, decode
+from loraswap.server.engine.models import builtin_model
+from tests.support.images import assert_images_close, decode
+from tests.support.servers import TEST_TORCH_THREADS
 
 
 def start_serve(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "loraswap.cli", "serve", "--host", "127.0.0.1", "--port", "0", *flags],
+        [sys.executable, "-m", "loraswap.client.command", "serve", "--host", "127.0.0.1", "--port", "0", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -59,7 +60,7 @@ def test_exported_model_folder_serves_the_same_images_as_the_builtin(exported_mo
         if process.poll() is None:
             process.kill()
     assert info.family == "flux" and not info.compiled
-    pipe = build_builtin_pipeline("tiny-flux")
+    pipe = builtin_model("tiny-flux").build()
     expected = pipe(
         prompt="a blue square", num_inference_steps=3, guidance_scale=3.5, width=64, height=64,
         max_sequence_length=32, generator=torch.Generator("cpu").manual_seed(3),

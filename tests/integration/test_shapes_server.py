@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
+from training.shapes_classifier import ShapeReading, classify_image
 from training.shapes_data import prompt_set
 
 from loraswap.client import AsyncLoraswapClient
-from loraswap.engine.models import shapes_adapter_dir
-from loraswap.engine.models.classifier import ShapeReading, classify_image
 from loraswap.server.app import start_server
-from tests.conftest import decode
-from tests.integration.conftest import server_settings
+from loraswap.server.engine.models.shapes import shapes_adapter_dir
+from tests.support.images import decode
+from tests.support.servers import server_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

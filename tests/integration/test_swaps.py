@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import MIN_ADAPTER_EFFECT, assert_images_close, decode
+from tests.support.images import MIN_ADAPTER_EFFECT, assert_images_close, decode
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

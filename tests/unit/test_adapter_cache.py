@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from loraswap.engine.adapters.cache import AdapterCache
-from loraswap.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
-from loraswap.engine.errors import AdapterFormatError, AdapterNotFoundError, AdapterTooLargeError
+from loraswap.server.engine.adapters.cache import AdapterCache
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+from loraswap.server.engine.errors import AdapterFormatError, AdapterNotFoundError, AdapterTooLargeError
 
 torch.set_num_threads(1)
 

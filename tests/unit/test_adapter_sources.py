@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraswap.engine.adapters.sources import (
+from loraswap.server.engine.adapters.sources import (
     AdapterFile,
     AdapterSources,
     HubAdapterSource,
@@ -27,7 +27,7 @@ from loraswap.engine.adapters.sources import (
     check_name,
     parse_hub_ref,
 )
-from loraswap.engine.errors import (
+from loraswap.server.engine.errors import (
     AdapterFormatError,
     AdapterNameError,
     AdapterNotFoundError,

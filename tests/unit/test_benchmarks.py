@@ -90,10 +90,10 @@ def test_serve_benchmark_prints_latency_and_throughput():
 
 def test_lora_files_load_as_the_pipeline_expects(tmp_path):
     """The benchmark's adapters are real diffusers LoRA files: diffusers loads them onto every targeted layer."""
-    from loraswap.engine.models import build_builtin_pipeline
-    from loraswap.engine.pipeline import resolve_target_layers
+    from loraswap.server.engine.models import builtin_model
+    from loraswap.server.engine.target_layers import resolve_target_layers
 
-    pipe = build_builtin_pipeline("tiny-sdxl")
+    pipe = builtin_model("tiny-sdxl").build()
     patterns = ("to_q", "to_k", "to_v", "to_out.0")
     layers = resolve_target_layers(pipe.unet, patterns)
     path = write_lora_file(pipe, layers, tmp_path / "r4", rank=4, patterns=patterns, seed=1)
@@ -105,29 +105,35 @@ def test_lora_files_load_as_the_pipeline_expects(tmp_path):
 
 
 def _tiny_sdxl_attention_shapes() -> list[tuple[int, int]]:
-    from loraswap.engine.models import build_builtin_pipeline
-    from loraswap.engine.pipeline import resolve_target_layers
+    from loraswap.server.engine.models import builtin_model
+    from loraswap.server.engine.target_layers import resolve_target_layers
 
-    unet = build_builtin_pipeline("tiny-sdxl").unet
+    unet = builtin_model("tiny-sdxl").build().unet
     layers = resolve_target_layers(unet, ("to_q", "to_k", "to_v", "to_out.0"))
     return [(unet.get_submodule(n).in_features, unet.get_submodule(n).out_features) for n in layers]
 
 
 @pytest.mark.parametrize(
-    ("name", "layers"),
-    [("random-sdxl", 2), ("random-flux", 0), ("random-flux", 20), ("tiny-flux", None), ("random-sd15", None)],
+    ("name", "layers", "message"),
+    [
+        ("random-sdxl", 2, "--layers applies to random-flux only"),
+        ("random-flux", 0, "use 1 to 19"),
+        ("random-flux", 20, "use 1 to 19"),
+        ("tiny-flux", 2, "--layers applies to random-flux only"),
+        ("random-sd15", None, "unknown builtin model"),
+    ],
 )
-def test_random_full_models_refuse_what_they_cannot_build(name, layers):
-    from loraswap.engine.models.random_full import build_random_denoiser
+def test_random_full_models_refuse_what_they_cannot_build(name, layers, message):
+    from loraswap.server.engine.models import builtin_model
 
-    with pytest.raises(ValueError):
-        build_random_denoiser(name, layers=layers)
+    with pytest.raises(ValueError, match=message):
+        builtin_model(name).build(layers=layers)
 
 
 def test_random_flux_has_flux1_layer_shapes_at_reduced_depth():
-    from loraswap.engine.models.random_full import build_random_denoiser
+    from loraswap.server.engine.models.random_full import build_random_flux_transformer
 
-    transformer = build_random_denoiser("random-flux", torch.bfloat16, layers=1)
+    transformer = build_random_flux_transformer(torch.bfloat16, layers=1)
     assert (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)) == (1, 2)
     attention = transformer.transformer_blocks[0].attn
     assert (attention.to_q.in_features, attention.to_q.out_features) == (3072, 3072)

@@ -21,12 +21,12 @@ from peft.utils import get_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from loraswap.engine.adapters.canonical import SlotSpec, load_canonical
-from loraswap.engine.adapters.random_adapter import write_random_adapter
-from loraswap.engine.adapters.sources import AdapterFile
-from loraswap.engine.errors import AdapterFormatError, AdapterIncompatibleError, EngineError
-from loraswap.engine.models import build_builtin_pipeline
-from tests.unit.lora_reference import (
+from loraswap.server.devtools.random_adapter import write_random_adapter
+from loraswap.server.engine.adapters.canonical import SlotSpec, load_canonical
+from loraswap.server.engine.adapters.sources import AdapterFile
+from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, EngineError
+from loraswap.server.engine.models import builtin_model
+from tests.support.lora_reference import (
     MAX_RANK,
     assert_same_deltas,
     canonical_deltas,
@@ -49,14 +49,14 @@ def _load(path: Path, spec: SlotSpec):
 
 
 def _write_random(model: str, directory: Path, **kwargs) -> Path:
-    return write_random_adapter(build_builtin_pipeline(model), directory, init_std=INIT_STD, **kwargs)
+    return write_random_adapter(builtin_model(model).build(), directory, init_std=INIT_STD, **kwargs)
 
 
 def _write_peft_flux(
     directory: Path, config: LoraConfig, *, text_encoder_layers=None, text_encoder_config=None
 ) -> Path:
     """A tiny-flux transformer LoRA for any LoraConfig, N(0, INIT_STD) factors, saved by diffusers."""
-    pipe = build_builtin_pipeline("tiny-flux")
+    pipe = builtin_model("tiny-flux").build()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         pipe.transformer.add_adapter(config, adapter_name="test")

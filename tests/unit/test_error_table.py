@@ -8,7 +8,7 @@ import grpc
 import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from loraswap.engine import errors as engine_errors
+from loraswap.server.engine import errors as engine_errors
 from loraswap.server.transport.errors import ERROR_DOMAIN, INTERNAL_ERROR, status_code_for, to_rpc_status
 
 EXPECTED_CODES = {
@@ -27,7 +27,7 @@ EXPECTED_CODES = {
 }
 
 EXPECTED_REASONS = {
-    engine_errors.EngineError: "ENGINE_ERROR",
+    engine_errors.EngineError: "INTERNAL",
     engine_errors.InvalidRequestError: "INVALID_REQUEST",
     engine_errors.AdapterNameError: "INVALID_ADAPTER_NAME",
     engine_errors.AdapterNotFoundError: "ADAPTER_NOT_FOUND",
@@ -106,16 +106,16 @@ def test_reason_overrides_and_metadata(error, code: grpc.StatusCode, reason: str
 
 
 def test_subclass_takes_its_nearest_ancestor_code() -> None:
-    class SlotBusyError(engine_errors.AdapterIncompatibleError):
-        reason = "SLOT_BUSY"
+    class RankTooHighError(engine_errors.AdapterIncompatibleError):
+        reason = engine_errors.ErrorReason.ADAPTER_RANK_TOO_HIGH
 
     class Unlisted(engine_errors.EngineError):
         pass
 
-    assert status_code_for(SlotBusyError("x")) is grpc.StatusCode.FAILED_PRECONDITION
+    assert status_code_for(RankTooHighError("x")) is grpc.StatusCode.FAILED_PRECONDITION
     assert status_code_for(Unlisted("x")) is grpc.StatusCode.INTERNAL
-    _, (info,) = _decode(to_rpc_status(SlotBusyError("x")))
-    assert info.reason == "SLOT_BUSY"
+    _, (info,) = _decode(to_rpc_status(RankTooHighError("x")))
+    assert info.reason == "ADAPTER_RANK_TOO_HIGH"
 
 
 def test_reasons_are_upper_snake_case() -> None:

@@ -26,71 +26,22 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraswap.engine.adapters.canonical import SlotSpec, load_canonical
-from loraswap.engine.adapters.sources import AdapterFile
-from loraswap.engine.errors import AdapterFormatError, AdapterIncompatibleError, EngineError
-from tests.unit.lora_reference import assert_same_deltas, canonical_deltas, diffusers_deltas, tiny_slot_specs
+from loraswap.server.engine.adapters.canonical import SlotSpec, load_canonical
+from loraswap.server.engine.adapters.sources import AdapterFile
+from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, EngineError
+from tests.support.kohya_files import (
+    FLUX_FINAL,
+    FLUX_SINGLE,
+    SDXL_LAYERS,
+    TEXT_ENCODER_MODULES,
+    flux_double,
+    kohya_deltas,
+    kohya_file,
+    sdxl_modules,
+)
+from tests.support.lora_reference import assert_same_deltas, canonical_deltas, diffusers_deltas, tiny_slot_specs
 
 torch.set_num_threads(1)
-
-WHOLE = slice(None)
-Q, K, V = slice(0, 32), slice(32, 64), slice(64, 96)
-
-
-def _flux_double(i: int) -> dict[str, tuple[int, int, list[tuple[str, slice]]]]:
-    """kohya module -> (in, out, [(diffusers module, rows of lora_up it gets)]) for double block i."""
-    block = f"transformer_blocks.{i}"
-    return {
-        f"lora_unet_double_blocks_{i}_img_attn_qkv": (
-            32, 96, [(f"{block}.attn.to_q", Q), (f"{block}.attn.to_k", K), (f"{block}.attn.to_v", V)]),
-        f"lora_unet_double_blocks_{i}_img_attn_proj": (32, 32, [(f"{block}.attn.to_out.0", WHOLE)]),
-        f"lora_unet_double_blocks_{i}_img_mlp_0": (32, 128, [(f"{block}.ff.net.0.proj", WHOLE)]),
-        f"lora_unet_double_blocks_{i}_img_mlp_2": (128, 32, [(f"{block}.ff.net.2", WHOLE)]),
-        f"lora_unet_double_blocks_{i}_txt_attn_qkv": (
-            32, 96,
-            [(f"{block}.attn.add_q_proj", Q), (f"{block}.attn.add_k_proj", K), (f"{block}.attn.add_v_proj", V)]),
-        f"lora_unet_double_blocks_{i}_txt_attn_proj": (32, 32, [(f"{block}.attn.to_add_out", WHOLE)]),
-        f"lora_unet_double_blocks_{i}_txt_mlp_0": (32, 128, [(f"{block}.ff_context.net.0.proj", WHOLE)]),
-        f"lora_unet_double_blocks_{i}_txt_mlp_2": (128, 32, [(f"{block}.ff_context.net.2", WHOLE)]),
-    }  # fmt: skip
-
-
-FLUX_SINGLE = {
-    "lora_unet_single_blocks_0_linear2": (160, 32, [("single_transformer_blocks.0.proj_out", WHOLE)]),
-    "lora_unet_single_blocks_1_linear2": (160, 32, [("single_transformer_blocks.1.proj_out", WHOLE)]),
-}
-FLUX_FINAL = {"lora_unet_final_layer_linear": (32, 16, [("proj_out", WHOLE)])}
-
-# The same six SDXL layers in the diffusers-style names kohya writes for SD1.x-like UNets and in the
-# sgm (input/middle/output block) names kohya writes for SDXL. tiny-sdxl: layers_per_block=2,
-# down_blocks.1 and up_blocks.0 carry attentions, so input_blocks 4/5 and output_blocks 0..2 are them.
-# Alphas vary per layer, but every attention layer has the most common one (2.0): see the UPSTREAM test.
-SDXL_LAYERS = [
-    ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q", 32, 32, 2.0,
-     "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
-     "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"),
-    ("down_blocks.1.attentions.1.transformer_blocks.1.attn2.to_k", 64, 32, 2.0,
-     "lora_unet_down_blocks_1_attentions_1_transformer_blocks_1_attn2_to_k",
-     "lora_unet_input_blocks_5_1_transformer_blocks_1_attn2_to_k"),
-    ("down_blocks.1.attentions.0.transformer_blocks.0.ff.net.0.proj", 32, 256, 8.0,
-     "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_ff_net_0_proj",
-     "lora_unet_input_blocks_4_1_transformer_blocks_0_ff_net_0_proj"),
-    ("mid_block.attentions.0.transformer_blocks.1.ff.net.2", 128, 32, 4.0,
-     "lora_unet_mid_block_attentions_0_transformer_blocks_1_ff_net_2",
-     "lora_unet_middle_block_1_transformer_blocks_1_ff_net_2"),
-    ("up_blocks.0.attentions.2.proj_in", 32, 32, 1.0,
-     "lora_unet_up_blocks_0_attentions_2_proj_in",
-     "lora_unet_output_blocks_2_1_proj_in"),
-    ("up_blocks.0.attentions.0.transformer_blocks.1.attn1.to_out.0", 32, 32, 2.0,
-     "lora_unet_up_blocks_0_attentions_0_transformer_blocks_1_attn1_to_out_0",
-     "lora_unet_output_blocks_0_1_transformer_blocks_1_attn1_to_out_0"),
-]  # fmt: skip
-
-TEXT_ENCODER_MODULES = {
-    "lora_te1_text_model_encoder_layers_0_self_attn_q_proj": (32, 32),
-    "lora_te2_text_model_encoder_layers_1_self_attn_k_proj": (32, 32),
-}
-ALPHAS = (1.0, 8.0, None, 2.0)  # cycled over modules; None writes no alpha key (kohya: alpha = rank)
 
 
 @pytest.fixture(scope="module")
@@ -98,57 +49,14 @@ def specs() -> dict[str, SlotSpec]:
     return tiny_slot_specs()
 
 
-def _kohya_file(
-    path: Path,
-    modules: dict[str, tuple[int, int]],
-    rank: int = 4,
-    *,
-    alphas: dict[str, float | None] | None = None,
-    seed: int = 0,
-    sparse_qkv: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Write kohya tensors for `modules` (name -> (in, out)); returns them for the arithmetic oracle.
-
-    Alphas come from `alphas` by module, else cycle through ALPHAS; None writes no alpha key.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for index, (module, (in_features, out_features)) in enumerate(modules.items()):
-        down = torch.randn(rank, in_features, generator=generator) * 0.2
-        up = torch.randn(out_features, rank, generator=generator) * 0.2
-        if sparse_qkv and module.endswith("_qkv"):
-            # Block-diagonal up: each of q, k, v owns rank/3 columns, which diffusers splits into rank/3 LoRAs.
-            mask = torch.block_diag(*[torch.ones(out_features // 3, rank // 3)] * 3)
-            up = up * mask
-        tensors[f"{module}.lora_down.weight"] = down
-        tensors[f"{module}.lora_up.weight"] = up
-        alpha = alphas[module] if alphas is not None and module in alphas else ALPHAS[index % len(ALPHAS)]
-        if alpha is not None:
-            tensors[f"{module}.alpha"] = torch.tensor(alpha)
-    save_file(tensors, str(path))
-    return tensors
-
-
-def _kohya_deltas(tensors: dict[str, torch.Tensor], mapping: dict[str, list[tuple[str, slice]]]):
-    """kohya's meaning of the file: up @ down * alpha / rank, rows of a fused up split per target."""
-    deltas = {}
-    for module, targets in mapping.items():
-        down, up = tensors[f"{module}.lora_down.weight"], tensors[f"{module}.lora_up.weight"]
-        rank = down.shape[0]
-        alpha = float(tensors.get(f"{module}.alpha", torch.tensor(float(rank))))
-        for target, rows in targets:
-            deltas[target] = up[rows] @ down * (alpha / rank)
-    return deltas
-
-
 def _load(path: Path, spec: SlotSpec):
     return load_canonical(AdapterFile(name=path.stem, path=path, source=str(path)), spec)
 
 
 FLUX_CASES = {
-    "double_blocks": {**_flux_double(0), **_flux_double(1)},
+    "double_blocks": {**flux_double(0), **flux_double(1)},
     "single_linear2": FLUX_SINGLE,
-    "mixed": {**_flux_double(1), **FLUX_SINGLE},
+    "mixed": {**flux_double(1), **FLUX_SINGLE},
 }
 
 
@@ -157,26 +65,26 @@ FLUX_CASES = {
 def test_flux_kohya_matches_diffusers_and_kohya(specs: dict[str, SlotSpec], tmp_path: Path, case: str, rank: int):
     layout = FLUX_CASES[case]
     path = tmp_path / "kohya_flux.safetensors"
-    tensors = _kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, rank=rank)
+    tensors = kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, rank=rank)
 
     adapter = _load(path, specs["tiny-flux"])
     canonical = canonical_deltas(adapter)
     assert_same_deltas(canonical, diffusers_deltas("tiny-flux", path)[0])
-    assert_same_deltas(canonical, _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
+    assert_same_deltas(canonical, kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
     assert adapter.rank == rank
     assert adapter.warnings == ()
 
 
 def test_flux_kohya_block_sparse_qkv_splits_rank(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
     """A qkv LoRA whose up is block-diagonal becomes three rank/3 LoRAs; the deltas stay the same."""
-    layout = _flux_double(0)
+    layout = flux_double(0)
     path = tmp_path / "kohya_sparse.safetensors"
-    tensors = _kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, rank=6, sparse_qkv=True)
+    tensors = kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, rank=6, sparse_qkv=True)
 
     adapter = _load(path, specs["tiny-flux"])
     canonical = canonical_deltas(adapter)
     assert_same_deltas(canonical, diffusers_deltas("tiny-flux", path)[0])
-    assert_same_deltas(canonical, _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
+    assert_same_deltas(canonical, kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
     ranks = {name: layer.rank for name, layer in adapter.layers.items()}
     assert ranks["transformer_blocks.0.attn.to_q"] == ranks["transformer_blocks.0.attn.add_v_proj"] == 2
     assert ranks["transformer_blocks.0.attn.to_out.0"] == ranks["transformer_blocks.0.ff.net.2"] == 6
@@ -188,25 +96,25 @@ def test_flux_kohya_block_sparse_qkv_splits_rank(specs: dict[str, SlotSpec], tmp
     "'transformer.' prefix, so diffusers and loraswap drop lora_unet_final_layer_linear",
 )
 def test_flux_kohya_final_layer_reaches_proj_out(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
-    layout = {**_flux_double(0), **FLUX_FINAL}
+    layout = {**flux_double(0), **FLUX_FINAL}
     path = tmp_path / "kohya_final.safetensors"
-    tensors = _kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, alphas={})
+    tensors = kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, alphas={})
     adapter = _load(path, specs["tiny-flux"])
     assert_same_deltas(
-        canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
+        canonical_deltas(adapter), kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
     )
 
 
 def test_flux_kohya_text_encoder_dropped_or_refused(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
-    layout = _flux_double(0)
+    layout = flux_double(0)
     modules = {m: (i, o) for m, (i, o, _) in layout.items()}
     modules["lora_te1_text_model_encoder_layers_0_self_attn_q_proj"] = (32, 32)
     path = tmp_path / "kohya_flux_te.safetensors"
-    tensors = _kohya_file(path, modules)
+    tensors = kohya_file(path, modules)
 
     adapter = _load(path, specs["tiny-flux"])
     assert_same_deltas(
-        canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
+        canonical_deltas(adapter), kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
     )
     (warning,) = adapter.warnings
     assert "text_encoder (2 tensors)" in warning
@@ -236,7 +144,7 @@ def test_flux_kohya_refusals(
     specs: dict[str, SlotSpec], tmp_path: Path, modules: dict, error: type[EngineError], reason: str
 ) -> None:
     path = tmp_path / "kohya_bad.safetensors"
-    _kohya_file(path, modules)
+    kohya_file(path, modules)
     with pytest.raises(EngineError) as raised:
         _load(path, specs["tiny-flux"])
     assert type(raised.value) is error
@@ -246,23 +154,13 @@ def test_flux_kohya_refusals(
 # -- SDXL ----------------------------------------------------------------------------------------------
 
 
-
-def _sdxl_modules(layout: str):
-    """(kohya module -> (in, out), kohya module -> alpha, kohya module -> [(diffusers module, rows)])."""
-    column = 4 if layout == "diffusers_names" else 5
-    modules = {row[column]: (row[1], row[2]) for row in SDXL_LAYERS}
-    alphas = {row[column]: row[3] for row in SDXL_LAYERS}
-    mapping = {row[column]: [(row[0], WHOLE)] for row in SDXL_LAYERS}
-    return modules, alphas, mapping
-
-
 @pytest.mark.parametrize("layout", ["diffusers_names", "sgm_names"])
 def test_diffusers_reads_the_sdxl_files_as_kohya_means_them(tmp_path: Path, layout: str) -> None:
     """The oracle itself: diffusers turns both spellings into the layers and values kohya means."""
-    modules, alphas, mapping = _sdxl_modules(layout)
+    modules, alphas, mapping = sdxl_modules(layout)
     path = tmp_path / "kohya_sdxl.safetensors"
-    tensors = _kohya_file(path, modules, alphas=alphas)
-    assert_same_deltas(diffusers_deltas("tiny-sdxl", path)[0], _kohya_deltas(tensors, mapping))
+    tensors = kohya_file(path, modules, alphas=alphas)
+    assert_same_deltas(diffusers_deltas("tiny-sdxl", path)[0], kohya_deltas(tensors, mapping))
 
 
 @pytest.mark.parametrize("layout", ["diffusers_names", "sgm_names"])
@@ -270,15 +168,15 @@ def test_diffusers_reads_the_sdxl_files_as_kohya_means_them(tmp_path: Path, layo
 def test_sdxl_kohya_matches_kohya(
     specs: dict[str, SlotSpec], tmp_path: Path, layout: str, with_text_encoders: bool
 ) -> None:
-    modules, alphas, mapping = _sdxl_modules(layout)
+    modules, alphas, mapping = sdxl_modules(layout)
     if with_text_encoders:
         modules |= TEXT_ENCODER_MODULES
     path = tmp_path / "kohya_sdxl.safetensors"
-    tensors = _kohya_file(path, modules, alphas=alphas)
+    tensors = kohya_file(path, modules, alphas=alphas)
 
     adapter = _load(path, specs["tiny-sdxl"])
     canonical = canonical_deltas(adapter)
-    assert_same_deltas(canonical, _kohya_deltas(tensors, mapping))
+    assert_same_deltas(canonical, kohya_deltas(tensors, mapping))
     if layout == "diffusers_names" and not with_text_encoders:
         # The sgm spelling is the same layers (the oracle test above); with kohya text-encoder keys
         # diffusers' own text-encoder loader raises, so only kohya's arithmetic is the reference there.
@@ -300,23 +198,23 @@ def test_sdxl_kohya_matches_kohya(
 )
 @pytest.mark.filterwarnings("ignore:The following alpha_pattern keys did not match")
 def test_sdxl_kohya_minority_attention_alpha(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
-    modules, alphas, mapping = _sdxl_modules("diffusers_names")
+    modules, alphas, mapping = sdxl_modules("diffusers_names")
     to_q = SDXL_LAYERS[0][4]
     path = tmp_path / "kohya_sdxl_alpha.safetensors"
-    tensors = _kohya_file(path, modules, alphas=alphas | {to_q: 16.0})
-    assert_same_deltas(canonical_deltas(_load(path, specs["tiny-sdxl"])), _kohya_deltas(tensors, mapping))
+    tensors = kohya_file(path, modules, alphas=alphas | {to_q: 16.0})
+    assert_same_deltas(canonical_deltas(_load(path, specs["tiny-sdxl"])), kohya_deltas(tensors, mapping))
 
 
 def test_flux_comfyui_prefixed_file_matches_diffusers(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
     """ComfyUI saves kohya-named Flux LoRAs under a `diffusion_model.` prefix; diffusers reads it, so do we."""
-    layout = {**_flux_double(0), **FLUX_SINGLE}
+    layout = {**flux_double(0), **FLUX_SINGLE}
     kohya_path = tmp_path / "kohya.safetensors"
-    tensors = _kohya_file(kohya_path, {m: (i, o) for m, (i, o, _) in layout.items()})
+    tensors = kohya_file(kohya_path, {m: (i, o) for m, (i, o, _) in layout.items()})
     comfy = {key.replace("lora_unet_", "diffusion_model.", 1): value for key, value in tensors.items()}
     path = tmp_path / "comfyui.safetensors"
     save_file(comfy, path)
     adapter = _load(path, specs["tiny-flux"])
     assert_same_deltas(canonical_deltas(adapter), diffusers_deltas("tiny-flux", path)[0])
     assert_same_deltas(
-        canonical_deltas(adapter), _kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
+        canonical_deltas(adapter), kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
     )

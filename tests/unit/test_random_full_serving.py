@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraswap.engine.config import EngineConfig
-from loraswap.engine.pipeline import DiffusionRuntime
+from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.runtime import DiffusionRuntime
 
 torch.set_num_threads(1)
 
@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 def test_random_flux_runtime_has_full_width_layers_and_bf16_slot():
     runtime = DiffusionRuntime(EngineConfig(model="random-flux", layers=1, max_rank=8, compile=False, warmup=False))
     assert runtime.dtype == torch.bfloat16  # the default for full-size random models, even on CPU
-    assert runtime.size_multiple == 16
+    assert runtime.request_rules.size_multiple == 16
     spec = runtime.slot_spec()
     assert spec.layer_shapes["transformer_blocks.0.attn.to_q"] == (3072, 3072)
     assert not any(name.startswith("transformer_blocks.1.") for name in spec.layer_shapes)

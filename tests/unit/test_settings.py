@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
 
-from loraswap.engine.config import DEFAULT_ADAPTER_CACHE_BYTES, DEFAULT_MAX_ADAPTER_BYTES, EngineConfig
 from loraswap.server.config import Settings, add_serve_arguments, settings_from_args
+from loraswap.server.engine.config import DEFAULT_ADAPTER_CACHE_BYTES, DEFAULT_MAX_ADAPTER_BYTES, EngineConfig
 
 
 def _settings(argv: list[str], environ: dict[str, str] | None = None) -> Settings:
@@ -62,6 +63,21 @@ def test_defaults() -> None:
     assert (settings.port, settings.host, settings.grace_seconds) == (50051, "[::]", 30.0)
     assert settings.engine.max_adapter_bytes == DEFAULT_MAX_ADAPTER_BYTES
     assert settings.engine.adapter_cache_bytes == DEFAULT_ADAPTER_CACHE_BYTES
+
+
+def test_every_flag_default_is_its_dataclass_default() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, environ={})
+    defaults = {
+        field.name: field.default
+        for config_class in (EngineConfig, Settings)
+        for field in fields(config_class)
+        if field.default is not MISSING
+    }
+    flags = [action for action in parser._actions if action.dest != "help"]
+    assert {action.dest for action in flags} <= set(defaults)  # each flag fills a field of the same name
+    for action in flags:
+        assert action.default == defaults[action.dest], action.option_strings[0]
 
 
 def test_every_flag_is_covered_here() -> None:

@@ -14,19 +14,12 @@ from diffusers import (
     FluxTransformer2DModel,
 )
 from safetensors import safe_open
+from training.shapes_classifier import classify_image
 from training.shapes_data import ADAPTER_STYLES, render, restyle, sample_scene
 from transformers import CLIPTextModel, T5EncoderModel
 
-from loraswap.engine.models import (
-    BUILTIN_MODELS,
-    GENERATION_DEFAULTS_FILE,
-    build_builtin_pipeline,
-    builtin_defaults,
-    export_builtin_model,
-    shapes_adapter_dir,
-)
-from loraswap.engine.models.classifier import classify_image
-from loraswap.engine.models.shapes import shapes_weights_dir
+from loraswap.server.engine.models import BUILTINS, GENERATION_DEFAULTS_FILE, builtin_model
+from loraswap.server.engine.models.shapes import shapes_adapter_dir, shapes_weights_dir
 
 PROMPT = "a red circle on a blue background"
 ADAPTERS = ("outline", "swap-colors", "purple")
@@ -34,13 +27,13 @@ ADAPTERS = ("outline", "swap-colors", "purple")
 
 @pytest.fixture(scope="module")
 def pipe() -> FluxPipeline:
-    pipe = build_builtin_pipeline("shapes")
+    pipe = builtin_model("shapes").build()
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 def generate(pipe: FluxPipeline, prompt: str = PROMPT, seed: int = 0) -> np.ndarray:
-    kwargs = builtin_defaults("shapes")
+    kwargs = builtin_model("shapes").defaults.to_dict()
     out = pipe(
         prompt, negative_prompt="", generator=torch.Generator().manual_seed(seed), output_type="np", **kwargs
     ).images[0]
@@ -48,7 +41,7 @@ def generate(pipe: FluxPipeline, prompt: str = PROMPT, seed: int = 0) -> np.ndar
 
 
 def test_shapes_is_the_first_builtin_and_uses_the_real_flux_classes(pipe: FluxPipeline) -> None:
-    assert BUILTIN_MODELS[0] == "shapes"
+    assert next(iter(BUILTINS)) == "shapes"
     assert isinstance(pipe, FluxPipeline) and pipe.name_or_path == "shapes"
     assert isinstance(pipe.transformer, FluxTransformer2DModel)
     assert isinstance(pipe.vae, AutoencoderKL)
@@ -58,11 +51,9 @@ def test_shapes_is_the_first_builtin_and_uses_the_real_flux_classes(pipe: FluxPi
 
 
 def test_defaults_carry_true_cfg() -> None:
-    defaults = builtin_defaults("shapes")
-    assert (defaults["width"], defaults["height"]) == (64, 64)
-    assert defaults["true_cfg_scale"] > 1 and defaults["max_sequence_length"] == 16
-    defaults["width"] = 1
-    assert builtin_defaults("shapes")["width"] == 64
+    defaults = builtin_model("shapes").defaults
+    assert (defaults.width, defaults.height) == (64, 64)
+    assert defaults.true_cfg_scale > 1 and defaults.max_sequence_length == 16
 
 
 def test_generation_is_deterministic_and_draws_the_prompt(pipe: FluxPipeline) -> None:
@@ -74,10 +65,10 @@ def test_generation_is_deterministic_and_draws_the_prompt(pipe: FluxPipeline) ->
 
 
 def test_export_writes_a_plain_diffusers_folder(pipe: FluxPipeline, tmp_path) -> None:
-    path = export_builtin_model("shapes", tmp_path / "shapes")
+    path = builtin_model("shapes").export(tmp_path / "shapes")
     assert (path / "model_index.json").is_file()
     assert not (path / "adapters").exists()
-    assert json.loads((path / GENERATION_DEFAULTS_FILE).read_text()) == builtin_defaults("shapes")
+    assert json.loads((path / GENERATION_DEFAULTS_FILE).read_text()) == builtin_model("shapes").defaults.to_dict()
     loaded = FluxPipeline.from_pretrained(path, local_files_only=True)
     loaded.set_progress_bar_config(disable=True)
     np.testing.assert_array_equal(generate(loaded), generate(pipe))

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraswap.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
-from loraswap.engine.adapters.slot import HotswapSlot, RankGatedLinear
-from loraswap.engine.models import build_builtin_pipeline
-from loraswap.engine.pipeline import DEFAULT_TARGET_MODULES, resolve_target_layers
-from loraswap.engine.types import ModelFamily
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+from loraswap.server.engine.adapters.slot import HotswapSlot, RankGatedLinear
+from loraswap.server.engine.families import FLUX
+from loraswap.server.engine.models import builtin_model
+from loraswap.server.engine.target_layers import resolve_target_layers
 
 torch.set_num_threads(1)
 
@@ -23,8 +23,8 @@ MAX_RANK = 16
 
 
 def _denoiser_with_slot(dtype: torch.dtype):
-    transformer = build_builtin_pipeline("tiny-flux").transformer.to(dtype)
-    layers = resolve_target_layers(transformer, tuple(DEFAULT_TARGET_MODULES[ModelFamily.FLUX]))
+    transformer = builtin_model("tiny-flux").build().transformer.to(dtype)
+    layers = resolve_target_layers(transformer, FLUX.default_target_modules)
     slot = HotswapSlot.install(transformer, layers, MAX_RANK, dtype, torch.device("cpu"))
     return transformer, layers, slot
 

@@ -11,23 +11,21 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusionXLPipeline
 
-from loraswap.engine.models import (
-    BUILTIN_MODELS,
-    TINY_FLUX_MAX_SEQUENCE_LENGTH,
-    TINY_SIZE_MULTIPLE,
-    build_builtin_pipeline,
-    builtin_defaults,
-    export_builtin_model,
-)
+from loraswap.server.engine.models import builtin_model
 
+# The small built-in models (the full-size random ones are tested in test_benchmarks.py).
 PIPELINE_CLASSES = {"shapes": FluxPipeline, "tiny-flux": FluxPipeline, "tiny-sdxl": StableDiffusionXLPipeline}
+MODELS = tuple(PIPELINE_CLASSES)
 DENOISER = {"shapes": "transformer", "tiny-flux": "transformer", "tiny-sdxl": "unet"}
+# What the pipelines themselves accept (shapes: 4x VAE downsampling times FLUX's 2x2 packing;
+# tiny-flux: VAE factor 2 times the packing; tiny-sdxl: VAE factor 2).
+PIPELINE_SIZE_MULTIPLE = {"shapes": 8, "tiny-flux": 4, "tiny-sdxl": 2}
 PROMPT = "a photo of a cat, Größe 日本語 🙂"
 
 
 def _generate(pipe: DiffusionPipeline, name: str, prompt: str = PROMPT, **overrides) -> np.ndarray:
     pipe.set_progress_bar_config(disable=True)
-    kwargs = builtin_defaults(name) | {"num_inference_steps": 2} | overrides
+    kwargs = builtin_model(name).defaults.to_dict() | {"num_inference_steps": 2} | overrides
     out = pipe(prompt, generator=torch.Generator("cpu").manual_seed(0), output_type="np", **kwargs)
     return out.images
 
@@ -36,10 +34,10 @@ def _modules(pipe: DiffusionPipeline) -> dict[str, torch.nn.Module]:
     return {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
 
 
-@pytest.fixture(scope="module", params=BUILTIN_MODELS)
+@pytest.fixture(scope="module", params=MODELS)
 def built(request: pytest.FixtureRequest) -> tuple[str, DiffusionPipeline]:
     """One shared, unmodified pipeline per builtin model (tests must not mutate it)."""
-    return request.param, build_builtin_pipeline(request.param)
+    return request.param, builtin_model(request.param).build()
 
 
 @pytest.fixture
@@ -67,7 +65,7 @@ def test_build_is_deterministic(built: tuple[str, DiffusionPipeline]) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)  # a different global RNG state must not matter
         torch.rand(7)
-        second = build_builtin_pipeline(name)
+        second = builtin_model(name).build()
     mods1, mods2 = _modules(first), _modules(second)
     assert mods1.keys() == mods2.keys()
     for key in mods1:
@@ -83,8 +81,8 @@ def test_build_leaves_global_rng_untouched() -> None:
         state = torch.get_rng_state()
         expected = torch.rand(4)
         torch.set_rng_state(state)
-        for name in BUILTIN_MODELS:
-            build_builtin_pipeline(name)
+        for name in MODELS:
+            builtin_model(name).build()
         assert torch.equal(torch.get_rng_state(), state)
         assert torch.equal(torch.rand(4), expected)
 
@@ -100,10 +98,10 @@ def test_generation(built: tuple[str, DiffusionPipeline]) -> None:
 
 def test_generation_non_square_pil(built: tuple[str, DiffusionPipeline]) -> None:
     name, pipe = built
-    mult = TINY_SIZE_MULTIPLE[name]
+    mult = PIPELINE_SIZE_MULTIPLE[name]
     width, height = 16 * mult, 8 * mult
     pipe.set_progress_bar_config(disable=True)
-    kwargs = builtin_defaults(name) | {"num_inference_steps": 1, "width": width, "height": height}
+    kwargs = builtin_model(name).defaults.to_dict() | {"num_inference_steps": 1, "width": width, "height": height}
     (image,) = pipe("x", generator=torch.Generator("cpu").manual_seed(0), **kwargs).images
     assert image.size == (width, height)
 
@@ -115,7 +113,7 @@ def test_prompt_changes_image(built: tuple[str, DiffusionPipeline]) -> None:
 
 def test_export_roundtrip(built: tuple[str, DiffusionPipeline], tmp_path, offline) -> None:
     name, pipe = built
-    path = export_builtin_model(name, tmp_path / name)
+    path = builtin_model(name).export(tmp_path / name)
     assert path == tmp_path / name
     assert (path / "model_index.json").is_file()
     assert list(path.rglob("*.safetensors"))
@@ -132,18 +130,9 @@ def test_export_roundtrip(built: tuple[str, DiffusionPipeline], tmp_path, offlin
         np.testing.assert_allclose(_generate(loaded, name), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "call",
-    [build_builtin_pipeline, builtin_defaults, lambda n: export_builtin_model(n, "/nonexistent/never-written")],
-)
-def test_unknown_name(call) -> None:
-    with pytest.raises(ValueError, match="tiny-flux.*tiny-sdxl"):
-        call("tiny-sd15")
-
-
-@pytest.mark.parametrize("name", BUILTIN_MODELS)
+@pytest.mark.parametrize("name", MODELS)
 def test_lora_on_attention_changes_image(name: str) -> None:
-    pipe = build_builtin_pipeline(name)  # fresh: the adapter mutates the model
+    pipe = builtin_model(name).build()  # fresh: the adapter mutates the model
     before = _generate(pipe, name)
     config = peft.LoraConfig(
         r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
@@ -179,10 +168,12 @@ def test_clip_tokenizer_is_byte_level(built: tuple[str, DiffusionPipeline]) -> N
 
 
 def test_t5_tokenizer() -> None:
-    tokenizer = build_builtin_pipeline("tiny-flux").tokenizer_2
+    tiny_flux = builtin_model("tiny-flux")
+    tokenizer = tiny_flux.build().tokenizer_2
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
-    ids = tokenizer("Hello, World! ~42", padding="max_length", max_length=TINY_FLUX_MAX_SEQUENCE_LENGTH).input_ids
-    assert len(ids) == TINY_FLUX_MAX_SEQUENCE_LENGTH
+    length = tiny_flux.defaults.max_sequence_length
+    ids = tokenizer("Hello, World! ~42", padding="max_length", max_length=length).input_ids
+    assert len(ids) == length
     assert tokenizer.unk_token_id not in ids
     eos_at = ids.index(tokenizer.eos_token_id)
     assert set(ids[eos_at + 1 :]) == {tokenizer.pad_token_id}
@@ -191,26 +182,24 @@ def test_t5_tokenizer() -> None:
 
 
 def test_defaults() -> None:
-    flux, sdxl = builtin_defaults("tiny-flux"), builtin_defaults("tiny-sdxl")
+    flux, sdxl = builtin_model("tiny-flux").defaults.to_dict(), builtin_model("tiny-sdxl").defaults.to_dict()
     assert flux == {
         "width": 64,
         "height": 64,
         "num_inference_steps": 4,
         "guidance_scale": 3.5,
-        "max_sequence_length": TINY_FLUX_MAX_SEQUENCE_LENGTH,
+        "max_sequence_length": 32,
     }
     assert sdxl == {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 5.0}
-    flux["width"] = 1
-    assert builtin_defaults("tiny-flux")["width"] == 64
-    for name in BUILTIN_MODELS:
-        d = builtin_defaults(name)
-        assert d["width"] % TINY_SIZE_MULTIPLE[name] == 0 and d["height"] % TINY_SIZE_MULTIPLE[name] == 0
+    for name in MODELS:
+        d = builtin_model(name).defaults
+        assert d.width % PIPELINE_SIZE_MULTIPLE[name] == 0 and d.height % PIPELINE_SIZE_MULTIPLE[name] == 0
 
 
 def test_torch_dtype() -> None:
-    pipe = build_builtin_pipeline("tiny-flux", torch_dtype=torch.bfloat16)
+    pipe = builtin_model("tiny-flux").build(torch.bfloat16)
     assert {p.dtype for m in _modules(pipe).values() for p in m.parameters()} == {torch.bfloat16}
-    reference = build_builtin_pipeline("tiny-flux")
+    reference = builtin_model("tiny-flux").build()
     ref_sd = reference.transformer.state_dict()
     for param, value in pipe.transformer.state_dict().items():
         assert torch.equal(value, ref_sd[param].to(torch.bfloat16)), param

@@ -7,7 +7,7 @@ import json
 import torch
 from diffusers import FluxPipeline, StableDiffusionXLPipeline
 
-from loraswap.cli import main
+from loraswap.client.command import main
 
 
 def test_export_model_then_make_adapter_load_in_plain_diffusers(tmp_path, capsys):
@@ -25,9 +25,9 @@ def test_export_model_then_make_adapter_load_in_plain_diffusers(tmp_path, capsys
 def test_make_adapter_for_builtin_sdxl(tmp_path):
     assert main(["make-adapter", "--model", "tiny-sdxl", "--rank", "4", "--target-modules", "to_q,to_v",
                  "-o", str(tmp_path / "s")]) == 0  # fmt: skip
-    from loraswap.engine.models import build_builtin_pipeline
+    from loraswap.server.engine.models import builtin_model
 
-    pipe = build_builtin_pipeline("tiny-sdxl")
+    pipe = builtin_model("tiny-sdxl").build()
     assert isinstance(pipe, StableDiffusionXLPipeline)
     pipe.load_lora_weights(str(tmp_path / "s"))
     targeted = {name for name, module in pipe.unet.named_modules() if hasattr(module, "lora_A") and module.lora_A}

@@ -1,0 +1,237 @@
+"""Where adapter files come from: the adapter directory, or the Hugging Face Hub.
+
+A source only turns a name into a local safetensors file; it never reads the
+weights. Names follow the grammar written in the proto:
+
+    local-name = segment *("/" segment)       (under --adapter-dir)
+    hub-ref    = ["hf:"] owner "/" repo ["@" revision] [":" weight-file]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraswap.server.engine.errors import (
+    AdapterFormatError,
+    AdapterNameError,
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+    ErrorReason,
+    HubDisabledError,
+)
+
+DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_SEGMENT = r"[A-Za-z0-9._-]+"
+_LOCAL_NAME = re.compile(rf"{_SEGMENT}(/{_SEGMENT})*")
+_HUB_REF = re.compile(
+    rf"(?:hf:)?(?P<repo>{_SEGMENT}/{_SEGMENT})(?:@(?P<revision>[A-Za-z0-9._/-]+?))?(?::(?P<weight>{_SEGMENT}(?:/{_SEGMENT})*))?"
+)
+MAX_NAME_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class AdapterFile:
+    """A local safetensors file that holds an adapter, and where it came from."""
+
+    name: str
+    path: Path
+    source: str
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A parsed hub-ref."""
+
+    repo_id: str
+    revision: str | None
+    weight_name: str | None
+
+
+def parse_hub_ref(name: str) -> HubRef | None:
+    """Parse `[hf:]owner/repo[@revision][:weight-file]`, or None if it is not one."""
+    match = _HUB_REF.fullmatch(name)
+    if match is None:
+        return None
+    return HubRef(match["repo"], match["revision"], match["weight"])
+
+
+def _has_bad_segment(path: str) -> bool:
+    return any(segment in ("", ".", "..") for segment in path.split("/"))
+
+
+def check_name(name: str) -> None:
+    """Refuse names that break the grammar before anything touches the disk or the network."""
+    if not name:
+        raise AdapterNameError("the adapter name is empty; leave `adapter` unset for the base model")
+    if len(name) > MAX_NAME_LENGTH:
+        raise AdapterNameError(f"the adapter name is longer than {MAX_NAME_LENGTH} characters")
+    if name.startswith("/") or "\\" in name:
+        raise AdapterNameError(
+            f"adapter name {name!r} is an absolute path; name adapters relative to the server's adapter directory"
+        )
+    ref = parse_hub_ref(name)
+    is_local = not name.startswith("hf:") and _LOCAL_NAME.fullmatch(name) is not None
+    if not is_local and ref is None:
+        raise AdapterNameError(
+            f"adapter name {name!r} is not valid: use letters, digits, '.', '_', '-' and '/' "
+            "(or hf:owner/repo[@revision][:file.safetensors] for the Hub)"
+        )
+    parts = [name] if is_local else [ref.repo_id, ref.revision or "main", ref.weight_name or "x"]
+    if any(_has_bad_segment(part) for part in parts):
+        raise AdapterNameError(
+            f"adapter name {name!r} has an empty, '.' or '..' segment; names cannot leave the adapter directory "
+            "or the Hub repository"
+        )
+
+
+def _check_size(path: Path, max_bytes: int) -> None:
+    size = path.stat().st_size
+    if max_bytes and size > max_bytes:
+        raise AdapterTooLargeError(
+            f"adapter file {path.name} is {size} bytes, over the server's limit of {max_bytes} "
+            "(--max-adapter-bytes); use a smaller rank or fewer layers",
+            file_bytes=size,
+            max_bytes=max_bytes,
+        )
+
+
+def pick_weight_file(folder: Path, label: str) -> Path:
+    """The adapter file inside a folder: diffusers' standard name, else the only .safetensors."""
+    standard = folder / DIFFUSERS_WEIGHT_NAME
+    if standard.is_file():
+        return standard
+    candidates = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" and p.is_file())
+    if len(candidates) == 1:
+        return candidates[0]
+    if len(candidates) > 1:
+        names = ", ".join(p.name for p in candidates)
+        raise AdapterFormatError(
+            f"{label} holds several .safetensors files ({names}); name one of them, e.g. {label}/{candidates[0].stem}"
+        )
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise AdapterFormatError(
+            f"{label} holds only pickle files ({', '.join(pickles)}); loraswap reads safetensors only, "
+            "convert the adapter to .safetensors",
+            reason=ErrorReason.ADAPTER_PICKLE_REFUSED,
+        )
+    raise AdapterNotFoundError(f"{label} holds no .safetensors file")
+
+
+class LocalAdapterDirectory:
+    """Adapters stored as files or folders under one directory; nothing outside it is reachable."""
+
+    def __init__(self, root: Path | None, max_adapter_bytes: int = 0) -> None:
+        self.root = root.resolve() if root is not None else None
+        self.max_adapter_bytes = max_adapter_bytes
+
+    def _inside(self, path: Path) -> Path:
+        real = path.resolve()
+        if self.root is None or not real.is_relative_to(self.root):
+            raise AdapterNameError(
+                f"{path.name} resolves outside the adapter directory (a symlink leaving it?); refused"
+            )
+        return real
+
+    def find(self, name: str) -> AdapterFile | None:
+        """The file for a local name, or None when nothing by that name is here."""
+        if self.root is None or not _LOCAL_NAME.fullmatch(name):
+            return None
+        candidate = self.root / name
+        pickled = [candidate] if candidate.suffix in PICKLE_SUFFIXES else []
+        pickled += [candidate.with_name(candidate.name + suffix) for suffix in PICKLE_SUFFIXES]
+        safetensors = candidate.with_name(candidate.name + ".safetensors")
+        if not candidate.is_dir() and not safetensors.is_file() and any(p.is_file() for p in pickled):
+            raise AdapterFormatError(
+                f"adapter {name!r} is a pickle file; loraswap reads safetensors only, convert it to .safetensors",
+                reason=ErrorReason.ADAPTER_PICKLE_REFUSED,
+            )
+        if candidate.is_dir():
+            real = pick_weight_file(self._inside(candidate), name)
+        elif candidate.is_file():
+            real = candidate
+        elif safetensors.is_file():
+            real = safetensors
+        else:
+            return None
+        real = self._inside(real)
+        if real.suffix != ".safetensors":
+            raise AdapterFormatError(
+                f"adapter {name!r} is not a .safetensors file; loraswap reads safetensors only"
+            )
+        _check_size(real, self.max_adapter_bytes)
+        return AdapterFile(name=name, path=real, source=str(real))
+
+
+class HubAdapterSource:
+    """Adapters fetched with huggingface_hub into its normal cache (HF_HUB_OFFLINE=1: cache only)."""
+
+    def __init__(self, allowed: bool, max_adapter_bytes: int = 0) -> None:
+        self.allowed = allowed
+        self.max_adapter_bytes = max_adapter_bytes
+
+    def fetch(self, name: str, ref: HubRef) -> AdapterFile:
+        """Download (or find in the cache) the adapter file for a hub-ref."""
+        if not self.allowed:
+            raise HubDisabledError(
+                f"{name!r} is not under the adapter directory and the server runs without --allow-hub; "
+                "put the adapter in the adapter directory or start the server with --allow-hub"
+            )
+        from huggingface_hub import hf_hub_download, snapshot_download
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        try:
+            if ref.weight_name:
+                if not ref.weight_name.endswith(".safetensors"):
+                    raise AdapterFormatError(
+                        f"{ref.weight_name} is not a .safetensors file; loraswap reads safetensors only",
+                        reason=ErrorReason.ADAPTER_PICKLE_REFUSED,
+                    )
+                path = Path(hf_hub_download(ref.repo_id, ref.weight_name, revision=ref.revision))
+            else:
+                folder = Path(
+                    snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["*.safetensors", "*.bin"])
+                )
+                path = pick_weight_file(folder, name)
+        except HFValidationError as exc:
+            raise AdapterNameError(f"{name!r} is not a valid Hub reference: {exc}") from exc
+        except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError, LocalEntryNotFoundError) as exc:
+            raise AdapterNotFoundError(
+                f"adapter {name!r} was not found on the Hub or in the local Hub cache: {type(exc).__name__}"
+            ) from exc
+        _check_size(path, self.max_adapter_bytes)
+        revision = ref.revision or "main"
+        return AdapterFile(name=name, path=path, source=f"hf://{ref.repo_id}@{revision}/{path.name}")
+
+
+class AdapterSources:
+    """Resolves an adapter name to a local file: the adapter directory first, then the Hub."""
+
+    def __init__(self, local: LocalAdapterDirectory, hub: HubAdapterSource) -> None:
+        self.local = local
+        self.hub = hub
+
+    def resolve(self, name: str) -> AdapterFile:
+        """The file for a name, or AdapterNotFoundError / AdapterNameError saying what to fix."""
+        check_name(name)
+        if not name.startswith("hf:"):
+            found = self.local.find(name)
+            if found is not None:
+                return found
+        ref = parse_hub_ref(name)
+        if ref is not None and (name.startswith("hf:") or self.hub.allowed):
+            return self.hub.fetch(name, ref)
+        where = str(self.local.root) if self.local.root else "no adapter directory (--adapter-dir)"
+        raise AdapterNotFoundError(
+            f"no adapter named {name!r} in {where}; check the name, or PreloadAdapter/ListAdapters to see what is there",
+            adapter=name,
+        )

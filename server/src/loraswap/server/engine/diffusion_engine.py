@@ -1,0 +1,220 @@
+"""The engine's face to any front end: plain domain types in, async iterators of events out.
+
+Nothing here runs torch on the caller's event loop: the pipeline lives on the
+scheduler's worker thread and adapter files are read and converted on a
+loader thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from loraswap.server.engine.adapters.cache import AdapterCache, CacheEntry
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, load_canonical
+from loraswap.server.engine.adapters.sources import AdapterSources, HubAdapterSource, LocalAdapterDirectory
+from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.errors import EngineError, ErrorReason, NotServingError
+from loraswap.server.engine.models import BUILTINS
+from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.scheduler import GenerationJob, GenerationScheduler
+from loraswap.server.engine.types import (
+    AdapterCacheSummary,
+    AdapterSummary,
+    GeneratedImage,
+    GenerationEvent,
+    GenerationRequest,
+    PreloadResult,
+    ServerDescription,
+)
+
+
+class DiffusionEngine:
+    """One resident pipeline, its adapter cache and its request queue."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._sources = AdapterSources(
+            LocalAdapterDirectory(config.adapter_dir or _shipped_adapter_dir(config.model), config.max_adapter_bytes),
+            HubAdapterSource(config.allow_hub, config.max_adapter_bytes),
+        )
+        self._loader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraswap-loader")
+        self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool)
+        self._scheduler = GenerationScheduler(lambda: DiffusionRuntime(config), config.max_queue, config.max_bypass)
+        self._runtime: DiffusionRuntime | None = None
+        self._slot_spec: SlotSpec | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load, prepare, compile and warm up the pipeline on the worker thread; returns when serving."""
+        self._scheduler.start()
+        runtime = await asyncio.wrap_future(self._scheduler.ready)
+        self._slot_spec = runtime.slot_spec()
+        self._runtime = runtime
+
+    @property
+    def serving(self) -> bool:
+        return self._runtime is not None
+
+    def stop_accepting(self) -> None:
+        """New generations are refused with NotServingError; queued ones still run."""
+        self._scheduler.stop_accepting()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for queued and running generations to finish; True if they did."""
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + timeout
+        while not self._scheduler.is_idle():
+            if loop.time() >= ends_at:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def abort_all(self, message: str) -> None:
+        """Fail every queued and running generation with NotServingError(message)."""
+        self._scheduler.abort_all(NotServingError(message, reason=ErrorReason.SHUTTING_DOWN))
+
+    @property
+    def swaps(self) -> int:
+        """Adapter changes the worker has made since start-up."""
+        return self._scheduler.swaps
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Finish the queued work (up to timeout seconds) and end the worker and loader threads."""
+        await asyncio.to_thread(self._scheduler.stop, timeout)
+        self._loader_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Validate, load the adapter if needed, queue, and yield Queued/StepProgress events then the image."""
+        arrived = time.perf_counter()
+        runtime = self._require_runtime()
+        rules = runtime.request_rules
+        params = rules.resolve(request)
+        adapter: CanonicalAdapter | None = None
+        load_ms = 0.0
+        warnings: tuple[str, ...] = ()
+        if params.adapter:
+            entry, load_ms = await self._cached(params.adapter)
+            adapter = entry.adapter
+            warnings += adapter.warnings
+            self._cache.record_use(params.adapter)
+        warnings += rules.warnings(params)
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event: object) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        job = GenerationJob(params=params, adapter=adapter, emit=emit, adapter_load_ms=load_ms, warnings=warnings)
+        self._scheduler.submit(job)
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, EngineError):
+                    raise event
+                if isinstance(event, GeneratedImage):
+                    total_ms = (time.perf_counter() - arrived) * 1000.0
+                    yield _with_total(event, total_ms)
+                    return
+                yield event
+        finally:
+            self._scheduler.cancel(job)
+
+    # -- adapters -------------------------------------------------------------------------------------
+
+    def _load_adapter(self, name: str) -> CanonicalAdapter:
+        """Resolve, read, convert and validate; runs on the loader thread."""
+        if self._slot_spec is None:
+            raise NotServingError("the server is still starting; retry")
+        return load_canonical(self._sources.resolve(name), self._slot_spec)
+
+    async def _cached(self, name: str) -> tuple[CacheEntry, float]:
+        future, hit = self._cache.get_or_load(name)
+        entry = await asyncio.wrap_future(future)
+        return entry, 0.0 if hit else entry.adapter.load_ms
+
+    async def preload(self, name: str) -> PreloadResult:
+        """Make an adapter ready in the cache; idempotent."""
+        self._require_runtime()
+        entry, load_ms = await self._cached(name)
+        return PreloadResult(adapter=self._summary(name, entry), already_cached=load_ms == 0.0)
+
+    def evict(self, name: str) -> int:
+        """Drop an adapter from the cache; returns the bytes freed."""
+        return self._cache.evict(name)
+
+    def list_adapters(self) -> AdapterCacheSummary:
+        """The cached adapters, most recently used first."""
+        return AdapterCacheSummary(
+            adapters=tuple(self._summary(entry.adapter.name, entry) for entry in self._cache.entries()),
+            cache_bytes=self._cache.total_bytes,
+            cache_budget_bytes=self._cache.budget_bytes,
+        )
+
+    def _summary(self, name: str, entry: CacheEntry) -> AdapterSummary:
+        adapter = entry.adapter
+        resident = self._runtime is not None and self._runtime.slot.resident is adapter
+        return AdapterSummary(
+            id=name,
+            rank=adapter.rank,
+            target_layers=tuple(adapter.layers),
+            bytes=adapter.nbytes,
+            source=adapter.source,
+            hits=entry.hits,
+            last_used_unix_ms=entry.last_used_unix_ms,
+            resident=resident,
+            load_ms=adapter.load_ms,
+            warnings=adapter.warnings,
+        )
+
+    # -- facts ------------------------------------------------------------------------------------------
+
+    def describe(self) -> ServerDescription:
+        """The resident model, its slot and its compile state."""
+        runtime = self._require_runtime()
+        rules = runtime.request_rules
+        resident = runtime.slot.resident
+        return ServerDescription(
+            model=self.config.model,
+            family=runtime.family,
+            dtype=str(runtime.dtype).removeprefix("torch."),
+            device=str(runtime.device),
+            max_rank=self.config.max_rank,
+            target_layers=tuple(runtime.target_layers),
+            compiled=runtime.compiled,
+            recompilations=runtime.recompilations,
+            resident_adapter=resident.name if resident is not None else "",
+            size_multiple=rules.size_multiple,
+            min_size=rules.min_size,
+            max_size=rules.max_size,
+            default_width=rules.defaults.width,
+            default_height=rules.defaults.height,
+            default_num_inference_steps=rules.defaults.num_inference_steps,
+            default_guidance_scale=rules.defaults.guidance_scale,
+        )
+
+    def _require_runtime(self) -> DiffusionRuntime:
+        if self._runtime is None:
+            raise NotServingError("the server is still loading and warming up its model; retry shortly")
+        return self._runtime
+
+
+def _shipped_adapter_dir(model: str):
+    """The demo adapters that ship with a built-in model, served when no --adapter-dir is given."""
+    builtin = BUILTINS.get(model)
+    return builtin.adapter_dir if builtin is not None else None
+
+
+def _with_total(image: GeneratedImage, total_ms: float) -> GeneratedImage:
+    from dataclasses import replace
+
+    return replace(image, timings=replace(image.timings, total_ms=total_ms))

@@ -1,0 +1,131 @@
+"""Domain errors raised by the engine.
+
+Each error carries a `reason` from the closed `ErrorReason` vocabulary and a
+message that says what the caller should change. The transport maps each class
+to one gRPC status in a single table (loraswap.server.transport.errors);
+nothing here knows about gRPC.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorReason(str, enum.Enum):
+    """Every reason the engine gives callers; the only place reasons are spelled.
+
+    The contract mirrors this list as `loraswap.v1.ErrorReason`, whose value
+    `ERROR_REASON_<name>` is sent as the bare `<name>`: the value here is that
+    wire string. tests/unit/test_error_reasons.py keeps the two lists equal.
+    """
+
+    INVALID_REQUEST = "INVALID_REQUEST"
+    INVALID_ADAPTER_NAME = "INVALID_ADAPTER_NAME"
+    ADAPTER_NOT_FOUND = "ADAPTER_NOT_FOUND"
+    ADAPTER_MALFORMED = "ADAPTER_MALFORMED"
+    ADAPTER_PICKLE_REFUSED = "ADAPTER_PICKLE_REFUSED"
+    ADAPTER_BAD_DTYPE = "ADAPTER_BAD_DTYPE"
+    ADAPTER_NOT_FINITE = "ADAPTER_NOT_FINITE"
+    ADAPTER_OUT_OF_RANGE = "ADAPTER_OUT_OF_RANGE"
+    ADAPTER_UNSUPPORTED_TENSORS = "ADAPTER_UNSUPPORTED_TENSORS"
+    ADAPTER_SHAPE_MISMATCH = "ADAPTER_SHAPE_MISMATCH"
+    ADAPTER_NO_DENOISER_LAYERS = "ADAPTER_NO_DENOISER_LAYERS"
+    ADAPTER_INCOMPATIBLE = "ADAPTER_INCOMPATIBLE"
+    ADAPTER_RANK_TOO_HIGH = "ADAPTER_RANK_TOO_HIGH"
+    ADAPTER_LAYER_NOT_TARGETED = "ADAPTER_LAYER_NOT_TARGETED"
+    ADAPTER_TEXT_ENCODER_LAYERS = "ADAPTER_TEXT_ENCODER_LAYERS"
+    ADAPTER_TOO_LARGE = "ADAPTER_TOO_LARGE"
+    HUB_DISABLED = "HUB_DISABLED"
+    QUEUE_FULL = "QUEUE_FULL"
+    NOT_SERVING = "NOT_SERVING"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    CANCELLED = "CANCELLED"
+    GENERATION_FAILED = "GENERATION_FAILED"
+    INTERNAL = "INTERNAL"
+
+    def __str__(self) -> str:
+        # The wire string, on every Python version (3.10 would print "ErrorReason.NAME").
+        return self.value
+
+
+class EngineError(Exception):
+    """Base of every error the engine reports to callers.
+
+    `reason` may narrow the class's default; it must be an `ErrorReason`
+    (or its exact string), so a reason outside the vocabulary fails at once.
+    """
+
+    reason: ErrorReason = ErrorReason.INTERNAL
+
+    def __init__(self, message: str, *, reason: ErrorReason | str | None = None, **metadata: object) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = ErrorReason(reason)
+        self.metadata = {key: str(value) for key, value in metadata.items()}
+
+
+class InvalidRequestError(EngineError):
+    """A request field is out of range or malformed."""
+
+    reason = ErrorReason.INVALID_REQUEST
+
+
+class AdapterNameError(EngineError):
+    """An adapter name breaks the grammar or tries to leave the adapter directory."""
+
+    reason = ErrorReason.INVALID_ADAPTER_NAME
+
+
+class AdapterNotFoundError(EngineError):
+    """No adapter by that name exists (or it is not cached, for Evict)."""
+
+    reason = ErrorReason.ADAPTER_NOT_FOUND
+
+
+class AdapterFormatError(EngineError):
+    """The adapter itself is unusable: unreadable, truncated, pickled, malformed, or made for another model."""
+
+    reason = ErrorReason.ADAPTER_MALFORMED
+
+
+class AdapterIncompatibleError(EngineError):
+    """The adapter is valid but exceeds what this server was started with (max rank, slot layers, strictness)."""
+
+    reason = ErrorReason.ADAPTER_INCOMPATIBLE
+
+
+class AdapterTooLargeError(EngineError):
+    """The adapter is bigger than the server accepts."""
+
+    reason = ErrorReason.ADAPTER_TOO_LARGE
+
+
+class HubDisabledError(EngineError):
+    """A Hub adapter was asked for but the server runs without --allow-hub."""
+
+    reason = ErrorReason.HUB_DISABLED
+
+
+class QueueFullError(EngineError):
+    """Too many requests are waiting."""
+
+    reason = ErrorReason.QUEUE_FULL
+
+
+class NotServingError(EngineError):
+    """The engine is still starting or is shutting down."""
+
+    reason = ErrorReason.NOT_SERVING
+
+
+class GenerationCancelledError(EngineError):
+    """The caller went away; the generation was stopped at a step boundary."""
+
+    reason = ErrorReason.CANCELLED
+
+
+class GenerationFailedError(EngineError):
+    """The pipeline raised while generating; the server keeps serving."""
+
+    reason = ErrorReason.GENERATION_FAILED

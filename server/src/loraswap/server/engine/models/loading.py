@@ -1,0 +1,49 @@
+"""What a --model value names: a built-in model (asked of the registry), else a diffusers folder or Hub id.
+
+One pipeline loader, the generation defaults that fit the model, and the dtype it serves in
+when --dtype is unset.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loraswap.server.engine.families import family_of
+from loraswap.server.engine.models.registry import BUILTINS, GENERATION_DEFAULTS_FILE, layers_refused
+from loraswap.server.engine.types import ModelDefaults
+
+
+def load_pipeline(model: str, torch_dtype, layers: int | None = None):
+    """A built-in model by name (tiny, trained or full-size random), or a diffusers folder / Hub id, on CPU.
+
+    Raises:
+        ValueError: for `layers` with a model that takes none (or out of its range).
+    """
+    builtin = BUILTINS.get(model)
+    if builtin is not None:
+        return builtin.build(torch_dtype, layers)
+    if layers is not None:
+        raise ValueError(layers_refused(model))
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(model, torch_dtype=torch_dtype)
+
+
+def generation_defaults(model: str, pipe) -> ModelDefaults:
+    """The built-in's defaults, a model folder's loraswap_generation.json, or the family's published ones."""
+    builtin = BUILTINS.get(model)
+    if builtin is not None:
+        return builtin.defaults
+    defaults_file = Path(model) / GENERATION_DEFAULTS_FILE
+    if defaults_file.is_file():
+        return ModelDefaults.from_dict(json.loads(defaults_file.read_text()))
+    return family_of(pipe).published_defaults(pipe)
+
+
+def default_dtype(model: str, device_type: str) -> str:
+    """The dtype `model` serves in on a `device_type` device when --dtype is unset."""
+    builtin = BUILTINS.get(model)
+    if builtin is not None and builtin.dtype is not None:
+        return builtin.dtype
+    return "bfloat16" if device_type == "cuda" else "float32"

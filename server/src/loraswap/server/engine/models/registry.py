@@ -1,0 +1,201 @@
+"""The built-in models, by name: one table of how to build each and what fits it.
+
+``shapes`` (the default) is a tiny trained FLUX pipeline that draws simple shapes from
+text, shipped with demo adapters; ``tiny-flux`` and ``tiny-sdxl`` are random-weight
+pipelines with the real architectures, for tests; ``random-flux`` and ``random-sdxl``
+wrap the full-size denoisers with random weights, to measure swaps on real layer shapes.
+Any other ``--model`` value is a diffusers folder or Hub id (loading.py).
+
+Importing this module imports neither torch nor diffusers (the command line lists the
+names); a model's builder imports them when called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraswap.server.engine.models.shapes import SHAPES_MAX_SEQUENCE_LENGTH, shapes_adapter_dir
+from loraswap.server.engine.types import ModelDefaults
+
+__all__ = [
+    "BUILTINS",
+    "GENERATION_DEFAULTS_FILE",
+    "BuiltinModel",
+    "builtin_model",
+    "layers_refused",
+    "save_model_folder",
+]
+
+# Written beside model_index.json: the generation defaults (size, steps, guidance,
+# sequence length) that fit the model; read by the engine when serving a folder.
+GENERATION_DEFAULTS_FILE = "loraswap_generation.json"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model served by name: how to build it, the generation defaults that fit it, and how it may be used."""
+
+    name: str
+    # (torch dtype, layers or None) -> the pipeline on CPU, identical on every call.
+    builder: Callable[[Any, int | None], Any]
+    defaults: ModelDefaults
+    # The dtype it serves in when --dtype is unset; None: bfloat16 on CUDA, float32 on CPU.
+    dtype: str | None = None
+    # Demo adapters shipped with it, served when no --adapter-dir is given.
+    adapter_dir: Path | None = None
+    # Whether --layers (a depth cut) applies to it.
+    takes_layers: bool = False
+    # Whether `loraswap export-model` writes it as a diffusers folder.
+    exportable: bool = True
+
+    def build(self, torch_dtype=None, layers: int | None = None):
+        """The pipeline on CPU in `torch_dtype` (None: its serving dtype on CPU), identical on every call.
+
+        Raises:
+            ValueError: for `layers` given to a model that takes none, or out of its range.
+        """
+        if layers is not None and not self.takes_layers:
+            raise ValueError(layers_refused(self.name))
+        if torch_dtype is None:
+            import torch
+
+            torch_dtype = getattr(torch, self.dtype or "float32")
+        return self.builder(torch_dtype, layers)
+
+    def export(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the model to `directory` as a float32 diffusers folder, with its generation defaults.
+
+        Float32, whatever the model ships in, so that any loader (with or without a
+        ``torch_dtype``) gets the weights the engine runs on CPU. Shipped adapters stay out.
+        The folder loads offline with ``DiffusionPipeline.from_pretrained`` and serves with
+        ``--model DIR``; images agree with the in-memory build to float rounding.
+
+        Raises:
+            ValueError: for a model export-model does not write (the full-size random ones).
+        """
+        if not self.exportable:
+            raise ValueError(
+                f"{self.name} is not exported; serve it by name (exportable models: {', '.join(_exportable())})"
+            )
+        import torch
+
+        return save_model_folder(self.build(torch.float32), directory, self.defaults)
+
+
+def save_model_folder(pipe, directory: str | os.PathLike[str], defaults: ModelDefaults) -> Path:
+    """Save `pipe` as a diffusers folder (safetensors) with `defaults` in GENERATION_DEFAULTS_FILE beside it."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    # The model's generation settings travel with it, so `loraswap serve --model DIR` uses them.
+    (path / GENERATION_DEFAULTS_FILE).write_text(json.dumps(defaults.to_dict(), indent=2) + "\n")
+    return path
+
+
+def _shapes(torch_dtype, layers):
+    from loraswap.server.engine.models.shapes import build_shapes_pipeline
+
+    return build_shapes_pipeline(torch_dtype)
+
+
+def _tiny_flux(torch_dtype, layers):
+    from loraswap.server.engine.models.tiny import build_tiny_flux_pipeline
+
+    return build_tiny_flux_pipeline(torch_dtype)
+
+
+def _tiny_sdxl(torch_dtype, layers):
+    from loraswap.server.engine.models.tiny import build_tiny_sdxl_pipeline
+
+    return build_tiny_sdxl_pipeline(torch_dtype)
+
+
+def _random_flux(torch_dtype, layers):
+    from loraswap.server.engine.models.random_full import build_random_flux_pipeline
+
+    return build_random_flux_pipeline(torch_dtype, layers)
+
+
+def _random_sdxl(torch_dtype, layers):
+    from loraswap.server.engine.models.random_full import build_random_sdxl_pipeline
+
+    return build_random_sdxl_pipeline(torch_dtype)
+
+
+BUILTINS: dict[str, BuiltinModel] = {
+    model.name: model
+    for model in (
+        BuiltinModel(
+            name="shapes",
+            builder=_shapes,
+            # True CFG against an empty negative prompt is what makes colors and backgrounds
+            # follow the caption; guidance_scale 1: the model has no guidance embedding.
+            defaults=ModelDefaults(
+                width=64, height=64, num_inference_steps=20, guidance_scale=1.0,
+                max_sequence_length=SHAPES_MAX_SEQUENCE_LENGTH, true_cfg_scale=3.0,
+            ),
+            adapter_dir=shapes_adapter_dir(),
+        ),
+        BuiltinModel(
+            name="tiny-flux",
+            builder=_tiny_flux,
+            # T5 prompt length: real FLUX uses 512; 32 keeps the joint attention sequence
+            # short while still covering typical test prompts.
+            defaults=ModelDefaults(
+                width=64, height=64, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32
+            ),
+        ),
+        BuiltinModel(
+            name="tiny-sdxl",
+            builder=_tiny_sdxl,
+            defaults=ModelDefaults(width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
+        ),
+        # The full-size random models exist to measure swaps and serving overheads on real layer
+        # shapes, not to make 1024 px images on a CPU: small defaults. They only fit this machine's
+        # memory in bf16, and they exist to measure bf16 serving, so bf16 even on CPU.
+        BuiltinModel(
+            name="random-flux",
+            builder=_random_flux,
+            defaults=ModelDefaults(
+                width=128, height=128, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32
+            ),
+            dtype="bfloat16",
+            takes_layers=True,
+            exportable=False,
+        ),
+        BuiltinModel(
+            name="random-sdxl",
+            builder=_random_sdxl,
+            defaults=ModelDefaults(width=128, height=128, num_inference_steps=4, guidance_scale=5.0),
+            dtype="bfloat16",
+            exportable=False,
+        ),
+    )
+}  # fmt: skip
+
+
+def builtin_model(name: str) -> BuiltinModel:
+    """The built-in model called `name`.
+
+    Raises:
+        ValueError: for a name that is not built in, listing those that are.
+    """
+    try:
+        return BUILTINS[name]
+    except KeyError:
+        raise ValueError(f"unknown builtin model {name!r}; valid choices: {', '.join(BUILTINS)}") from None
+
+
+def layers_refused(model: str) -> str:
+    """The message for --layers given with a model that takes none."""
+    layered = " and ".join(name for name, builtin in BUILTINS.items() if builtin.takes_layers)
+    return f"--layers applies to {layered} only, not to {model!r}"
+
+
+def _exportable() -> list[str]:
+    return [name for name, builtin in BUILTINS.items() if builtin.exportable]

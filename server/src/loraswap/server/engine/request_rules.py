@@ -1,0 +1,96 @@
+"""What a request may ask of the resident model: a frozen value that validates requests and fills in defaults.
+
+`RequestRules` holds plain numbers only (no pipeline, no torch), so the engine checks
+requests on the event loop, before they queue, and tests build it directly.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from loraswap.server.engine.errors import InvalidRequestError
+from loraswap.server.engine.types import GenerationParams, GenerationRequest, ModelDefaults
+
+MAX_STEPS = 200
+MAX_GUIDANCE = 50.0
+MAX_PROMPT_CHARS = 4000
+# The largest |strength| a request may ask for; canonical lora_B factors are refused
+# (adapters/canonical.py) if this multiple of them would overflow the model's dtype.
+MAX_ADAPTER_SCALE = 8.0
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    """The resident model's defaults and the sizes it accepts; `resolve` turns a request into parameters."""
+
+    defaults: ModelDefaults
+    size_multiple: int  # width and height must be multiples of this
+    min_size: int  # smallest width or height (a multiple of size_multiple)
+    max_size: int  # largest width or height
+    # Why the model ignores negative prompts (the warning a request sending one gets); None: it reads them.
+    ignored_negative_prompt: str | None = None
+
+    def resolve(self, request: GenerationRequest) -> GenerationParams:
+        """Validate a request against this model and fill in its defaults.
+
+        Raises:
+            InvalidRequestError: naming the first field out of range (metadata `field`) and what would be valid.
+        """
+        if not request.prompt.strip():
+            raise InvalidRequestError("prompt is empty; describe the image to generate", field="prompt")
+        if len(request.prompt) > MAX_PROMPT_CHARS or len(request.negative_prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(f"prompts are limited to {MAX_PROMPT_CHARS} characters", field="prompt")
+        defaults = self.defaults
+        steps = defaults.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
+        if not 1 <= steps <= MAX_STEPS:
+            raise InvalidRequestError(
+                f"num_inference_steps is {steps}; use 1 to {MAX_STEPS}, or leave it unset for the model's "
+                f"default ({defaults.num_inference_steps})",
+                field="num_inference_steps",
+            )
+        guidance = defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale
+        if not 0.0 <= guidance <= MAX_GUIDANCE:
+            raise InvalidRequestError(f"guidance_scale is {guidance}; use 0 to {MAX_GUIDANCE}", field="guidance_scale")
+        scale = 1.0 if request.adapter_scale is None else float(request.adapter_scale)
+        if not -MAX_ADAPTER_SCALE <= scale <= MAX_ADAPTER_SCALE:
+            raise InvalidRequestError(
+                f"adapter_scale is {scale}; use -{MAX_ADAPTER_SCALE} to {MAX_ADAPTER_SCALE}", field="adapter_scale"
+            )
+        width = self._check_size("width", request.width, defaults.width)
+        height = self._check_size("height", request.height, defaults.height)
+        seed = secrets.randbits(63) if request.seed is None else request.seed
+        if not 0 <= seed < 2**64:
+            raise InvalidRequestError("seed must lie in [0, 2^64)", field="seed")
+        return GenerationParams(
+            prompt=request.prompt,
+            negative_prompt=request.negative_prompt,
+            adapter=request.adapter,
+            adapter_scale=scale if request.adapter else 1.0,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            width=width,
+            height=height,
+            seed=seed,
+            image_format=request.image_format,
+        )
+
+    def warnings(self, params: GenerationParams) -> tuple[str, ...]:
+        """What the caller should know about how these parameters will be read."""
+        if params.negative_prompt and self.ignored_negative_prompt:
+            return (self.ignored_negative_prompt,)
+        return ()
+
+    def _check_size(self, field: str, value: int | None, default: int) -> int:
+        if value is None:
+            return default
+        multiple, smallest, largest = self.size_multiple, self.min_size, self.max_size
+        if not smallest <= value <= largest or value % multiple:
+            nearest = min(max(smallest, round(value / multiple) * multiple), largest)
+            raise InvalidRequestError(
+                f"{field} is {value}; it must be a multiple of {multiple} between {smallest} and "
+                f"{largest} for this model (nearest valid: {nearest})",
+                field=field,
+                multiple=multiple,
+            )
+        return value

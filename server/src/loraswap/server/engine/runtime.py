@@ -1,0 +1,206 @@
+"""The resident pipeline: load it, put the swap slot in place, compile, warm up, run one job.
+
+Everything here runs on the engine's single worker thread (start-up included),
+always under `torch.inference_mode()`: compiled graphs are specialised on the
+grad mode, so warming up and serving in the same mode keeps them valid.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec
+from loraswap.server.engine.adapters.slot import HotswapSlot
+from loraswap.server.engine.compile import CountingBackend, compile_counting, conv_backend
+from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.errors import GenerationCancelledError
+from loraswap.server.engine.families import family_of
+from loraswap.server.engine.models import default_dtype, generation_defaults, load_pipeline
+from loraswap.server.engine.request_rules import RequestRules
+from loraswap.server.engine.target_layers import resolve_target_layers
+from loraswap.server.engine.types import GeneratedImage, GenerationParams, ImageFormat, StepProgress, Timings
+from loraswap.server.engine.warm_up import warm_up_requests
+
+log = logging.getLogger(__name__)
+
+JPEG_QUALITY = 95
+
+
+def _resolve_device(config: EngineConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype:
+        dtype = getattr(torch, config.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown --dtype {config.dtype!r}; use float32, float16 or bfloat16")
+        return dtype
+    return getattr(torch, default_dtype(config.model, device.type))
+
+
+def encode_image(image, image_format: ImageFormat) -> bytes:
+    """PIL image -> file bytes in the requested format."""
+    buffer = io.BytesIO()
+    if image_format is ImageFormat.JPEG:
+        image.convert("RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    elif image_format is ImageFormat.WEBP:
+        image.save(buffer, format="WEBP", lossless=True)
+    else:
+        image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class DiffusionRuntime:
+    """The warm pipeline with its swap slot. Construct and call only on the worker thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = _resolve_device(config)
+        self.dtype = _resolve_dtype(config, self.device)
+        self.compiled = config.compile if config.compile is not None else self.device.type == "cuda"
+        self._backend: CountingBackend | None = None
+        self._graphs_at_ready = 0
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        elif hasattr(os, "sched_getaffinity"):
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+        started = time.perf_counter()
+        self.pipe = load_pipeline(config.model, self.dtype, config.layers)
+        self.traits = family_of(self.pipe)
+        self.family = self.traits.family
+        self.defaults = generation_defaults(config.model, self.pipe)
+        self.request_rules = RequestRules(
+            defaults=self.defaults,
+            size_multiple=self.traits.size_multiple(self.pipe),
+            min_size=self.traits.min_size(self.pipe),
+            max_size=config.max_size,
+            ignored_negative_prompt=self.traits.ignored_negative_prompt(self.defaults),
+        )
+        self.pipe.set_progress_bar_config(disable=True)
+        for component in self.pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.requires_grad_(False)
+        self.pipe.to(self.device)
+        self.denoiser = self.traits.denoiser(self.pipe)
+        patterns = config.target_modules or self.traits.default_target_modules
+        self.target_layers = resolve_target_layers(self.denoiser, tuple(patterns))
+        self.slot = HotswapSlot.install(self.denoiser, self.target_layers, config.max_rank, self.dtype, self.device)
+        if self.compiled:
+            self._backend = compile_counting(self.denoiser, config.compile_backend)
+        if config.warmup:
+            self._warm_up()
+        if self._backend is not None:
+            self._graphs_at_ready = self._backend.graphs_compiled
+        log.info(
+            "ready: %s (%s, %s on %s), %d slot layers at rank %d, compiled=%s, in %.1f s",
+            config.model, self.family.value, self.dtype, self.device, len(self.target_layers),
+            config.max_rank, self.compiled, time.perf_counter() - started,
+        )  # fmt: skip
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def _warm_up(self) -> None:
+        """Run the pipeline at the shapes that make every later request reuse a compiled graph (see warm_up.py)."""
+        requests = warm_up_requests(
+            self.request_rules, self.traits.upsample_period(self.pipe), self.traits.warm_up_guidance(self.defaults)
+        )
+        for request in requests:
+            self.generate(
+                self.request_rules.resolve(request), None, on_step=lambda progress: None, is_cancelled=lambda: False
+            )
+
+    # -- facts --------------------------------------------------------------------------------------
+
+    @property
+    def recompilations(self) -> int:
+        """Graphs compiled since warm-up finished (0 when not compiled)."""
+        if self._backend is None:
+            return 0
+        return self._backend.graphs_compiled - self._graphs_at_ready
+
+    def slot_spec(self) -> SlotSpec:
+        """What adapters must fit to be swapped into this runtime's slot."""
+        return self.slot.spec(self.family, self.dtype, self.device, strict=self.config.strict_adapters)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        params: GenerationParams,
+        adapter: CanonicalAdapter | None,
+        *,
+        on_step: Callable[[StepProgress], None],
+        is_cancelled: Callable[[], bool],
+        timings: Timings | None = None,
+        warnings: tuple[str, ...] = (),
+    ) -> GeneratedImage:
+        """Swap `adapter` in, run the pipeline streaming each step through on_step, encode the image.
+
+        `params` come from `request_rules.resolve`. Raises GenerationCancelledError at the first
+        step boundary after is_cancelled() turns true, before the VAE decode.
+        """
+        timings = timings or Timings()
+        conv_guard = conv_backend(
+            compiled=self.compiled, convolutional=self.traits.convolutional_denoiser, device=self.device,
+            dtype=self.dtype,
+        )  # fmt: skip
+        with torch.inference_mode(), conv_guard:
+            swap_ms = self.slot.load(adapter, params.adapter_scale)
+            started = time.perf_counter()
+            last_step_at = started
+
+            def step_end(pipe, index, timestep, callback_kwargs):
+                nonlocal last_step_at
+                last_step_at = time.perf_counter()
+                on_step(StepProgress(index + 1, params.num_inference_steps, (last_step_at - started) * 1000.0))
+                if is_cancelled():
+                    raise GenerationCancelledError("the caller cancelled; generation stopped at a step boundary")
+                return callback_kwargs
+
+            result = self.pipe(**self._pipeline_kwargs(params), callback_on_step_end=step_end)
+            image = result.images[0]
+            data = encode_image(image, params.image_format)
+        finished = time.perf_counter()
+        return GeneratedImage(
+            data=data,
+            image_format=params.image_format,
+            width=image.width,
+            height=image.height,
+            seed=params.seed,
+            adapter=params.adapter,
+            adapter_scale=params.adapter_scale,
+            timings=Timings(
+                queue_ms=timings.queue_ms,
+                adapter_load_ms=timings.adapter_load_ms,
+                adapter_swap_ms=swap_ms,
+                denoise_ms=(last_step_at - started) * 1000.0,
+                decode_ms=(finished - last_step_at) * 1000.0,
+            ),
+            warnings=warnings,
+        )
+
+    def _pipeline_kwargs(self, params: GenerationParams) -> dict:
+        kwargs = dict(
+            prompt=params.prompt,
+            num_inference_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
+            width=params.width,
+            height=params.height,
+            # A CPU generator makes the initial noise, and so the image, the same on every device.
+            generator=torch.Generator("cpu").manual_seed(params.seed),
+            output_type="pil",
+        )
+        kwargs.update(self.traits.pipeline_kwargs(params.negative_prompt, self.defaults))
+        if self.defaults.max_sequence_length is not None:
+            kwargs["max_sequence_length"] = self.defaults.max_sequence_length
+        return kwargs

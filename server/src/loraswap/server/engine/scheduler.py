@@ -1,0 +1,192 @@
+"""One worker thread owns the pipeline; requests wait in a bounded queue and run one at a time.
+
+Batching different adapters was measured as a bad trade for diffusion, so the
+worker runs one job at a time. Events for a job go back to whoever submitted it
+through the job's `emit` callable (the engine makes it thread-safe with
+`loop.call_soon_threadsafe`). Cancellation is a flag the pipeline's step
+callback checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter
+from loraswap.server.engine.errors import EngineError, GenerationFailedError, NotServingError, QueueFullError
+from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.types import GenerationParams, Queued, Timings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    """One accepted request on its way through the queue and the worker."""
+
+    params: GenerationParams
+    adapter: CanonicalAdapter | None
+    emit: Callable[[object], None]  # receives Queued / StepProgress / GeneratedImage / EngineError
+    adapter_load_ms: float = 0.0
+    warnings: tuple[str, ...] = ()
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    position: int = 0
+    times_bypassed: int = 0
+    abort_error: EngineError | None = None  # sent instead of CANCELLED when the server aborts the job
+
+
+class GenerationScheduler:
+    """Bounded queue in front of the single worker thread that builds and runs the runtime.
+
+    Order: oldest first, except that a waiting job using the adapter already
+    resident in the swap slot may go ahead (no swap needed), as long as no job
+    is passed over more than `max_bypass` times (0: plain FIFO).
+    """
+
+    def __init__(
+        self, runtime_factory: Callable[[], DiffusionRuntime], max_queue: int, max_bypass: int = 4
+    ) -> None:
+        self.max_queue = max_queue
+        self.max_bypass = max_bypass
+        self.swaps = 0  # adapter changes the worker made (for benchmarks and tests)
+        self.ready: Future[DiffusionRuntime] = Future()
+        self._runtime_factory = runtime_factory
+        self._cond = threading.Condition()
+        self._waiting: list[GenerationJob] = []
+        self._running: GenerationJob | None = None
+        self._accepting = True
+        self._stopped = False
+        self._thread = threading.Thread(target=self._work, name="loraswap-worker", daemon=True)
+
+    def start(self) -> None:
+        """Start the worker; `ready` resolves once the runtime is loaded and warm."""
+        self._thread.start()
+
+    def submit(self, job: GenerationJob) -> None:
+        """Queue a job, or raise QueueFullError / NotServingError without disturbing anything queued."""
+        with self._cond:
+            if not self._accepting or not self.ready.done() or self.ready.exception() is not None:
+                raise NotServingError("the server is not serving right now (starting up or shutting down); retry")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue}); retry shortly",
+                    retry_after_s=1.0,
+                )
+            self._waiting.append(job)
+            self._publish_positions()
+            self._cond.notify()
+
+    def cancel(self, job: GenerationJob) -> None:
+        """Withdraw a waiting job at once, or stop a running one at its next step boundary."""
+        job.cancelled.set()
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._publish_positions()
+
+    @property
+    def queue_length(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    def stop_accepting(self) -> None:
+        """New submissions fail with NotServingError; queued and running jobs go on."""
+        with self._cond:
+            self._accepting = False
+
+    def is_idle(self) -> bool:
+        """Nothing waits and nothing runs."""
+        with self._cond:
+            return not self._waiting and self._running is None
+
+    def abort_all(self, error: EngineError) -> None:
+        """Fail every waiting job with `error` now, and the running one at its next step boundary."""
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+            running = self._running
+            if running is not None:
+                running.abort_error = error
+                running.cancelled.set()
+        for job in waiting:
+            job.cancelled.set()
+            job.emit(error)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Let the worker finish what is queued, then end it."""
+        with self._cond:
+            self._accepting = False
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _publish_positions(self) -> None:
+        for index, job in enumerate(self._waiting, start=1):
+            if job.position != index:
+                job.position = index
+                job.emit(Queued(position=index))
+
+    def _pick(self, resident: object) -> int:
+        """Index of the job to run next: see the class docstring."""
+        head = self._waiting[0]
+        if head.adapter is resident or head.times_bypassed >= self.max_bypass:
+            return 0
+        for index, job in enumerate(self._waiting[1:], start=1):
+            if job.adapter is resident:
+                for passed in self._waiting[:index]:
+                    passed.times_bypassed += 1
+                return index
+        return 0
+
+    def _next_job(self, runtime: DiffusionRuntime) -> GenerationJob | None:
+        with self._cond:
+            while not self._waiting and not self._stopped:
+                self._cond.wait()
+            if not self._waiting:
+                return None
+            job = self._waiting.pop(self._pick(runtime.slot.resident))
+            self._running = job
+            self._publish_positions()
+            return job
+
+    def _work(self) -> None:
+        try:
+            runtime = self._runtime_factory()
+        except BaseException as exc:  # start-up failure: report it to whoever awaits `ready`
+            log.exception("start-up failed")
+            self.ready.set_exception(exc)
+            return
+        self.ready.set_result(runtime)
+        while (job := self._next_job(runtime)) is not None:
+            try:
+                if not job.cancelled.is_set():
+                    self._run(runtime, job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, runtime: DiffusionRuntime, job: GenerationJob) -> None:
+        queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
+        if not runtime.slot.is_resident(job.adapter, job.params.adapter_scale):
+            self.swaps += 1
+        try:
+            image = runtime.generate(
+                job.params,
+                job.adapter,
+                on_step=job.emit,
+                is_cancelled=job.cancelled.is_set,
+                timings=Timings(queue_ms=queue_ms, adapter_load_ms=job.adapter_load_ms),
+                warnings=job.warnings,
+            )
+        except EngineError as exc:
+            job.emit(job.abort_error or exc)
+        except Exception as exc:  # a pipeline failure must not take the worker down
+            log.exception("generation failed")
+            job.emit(GenerationFailedError(f"generation failed ({type(exc).__name__}); the server keeps serving"))
+        else:
+            job.emit(image)

@@ -1,0 +1,199 @@
+"""Plain domain types shared by the engine and whatever front end serves it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ImageFormat(enum.Enum):
+    """Encoding of a generated image."""
+
+    PNG = "png"
+    JPEG = "jpeg"
+    WEBP = "webp"
+
+    @property
+    def mime_type(self) -> str:
+        return f"image/{self.value}"
+
+
+class ModelFamily(enum.Enum):
+    """Architecture of the resident pipeline."""
+
+    FLUX = "flux"
+    SDXL = "sdxl"
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """Generation settings that fit a model when a request leaves them unset."""
+
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    max_sequence_length: int | None = None
+    # Flux: > 1 runs true classifier-free guidance against the negative prompt ("" when unset).
+    true_cfg_scale: float = 1.0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelDefaults:
+        """From the form `to_dict` writes (a model folder's loraswap_generation.json)."""
+        return cls(
+            width=values["width"],
+            height=values["height"],
+            num_inference_steps=values["num_inference_steps"],
+            guidance_scale=values["guidance_scale"],
+            max_sequence_length=values.get("max_sequence_length"),
+            true_cfg_scale=values.get("true_cfg_scale", 1.0),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as pipeline keyword arguments, leaving out the unset ones (no sequence length, no true CFG)."""
+        values: dict[str, Any] = dict(
+            width=self.width,
+            height=self.height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+        )
+        if self.max_sequence_length is not None:
+            values["max_sequence_length"] = self.max_sequence_length
+        if self.true_cfg_scale != 1.0:
+            values["true_cfg_scale"] = self.true_cfg_scale
+        return values
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a caller asked for; None means "use the model's default"."""
+
+    prompt: str
+    negative_prompt: str = ""
+    adapter: str = ""
+    adapter_scale: float | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    width: int | None = None
+    height: int | None = None
+    seed: int | None = None
+    image_format: ImageFormat = ImageFormat.PNG
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated request with every default filled in."""
+
+    prompt: str
+    negative_prompt: str
+    adapter: str
+    adapter_scale: float
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    seed: int
+    image_format: ImageFormat
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The request waits; position 1 runs next."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """One denoising step has completed."""
+
+    step: int
+    total_steps: int
+    elapsed_ms: float
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where a generation's time went, in milliseconds."""
+
+    queue_ms: float = 0.0
+    adapter_load_ms: float = 0.0
+    adapter_swap_ms: float = 0.0
+    denoise_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class GeneratedImage:
+    """A finished generation, encoded."""
+
+    data: bytes
+    image_format: ImageFormat
+    width: int
+    height: int
+    seed: int
+    adapter: str
+    adapter_scale: float
+    timings: Timings
+    warnings: tuple[str, ...] = ()
+
+
+GenerationEvent = Queued | StepProgress | GeneratedImage
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    """What the server knows about one cached adapter."""
+
+    id: str
+    rank: int
+    target_layers: tuple[str, ...]
+    bytes: int
+    source: str
+    hits: int
+    last_used_unix_ms: int
+    resident: bool
+    load_ms: float
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdapterCacheSummary:
+    """The adapter cache's contents, most recently used first."""
+
+    adapters: tuple[AdapterSummary, ...]
+    cache_bytes: int
+    cache_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class PreloadResult:
+    """Outcome of a preload."""
+
+    adapter: AdapterSummary
+    already_cached: bool
+
+
+@dataclass(frozen=True)
+class ServerDescription:
+    """The resident model and its swap slot."""
+
+    model: str
+    family: ModelFamily
+    dtype: str
+    device: str
+    max_rank: int
+    target_layers: tuple[str, ...]
+    compiled: bool
+    recompilations: int
+    resident_adapter: str
+    size_multiple: int
+    min_size: int
+    max_size: int
+    default_width: int
+    default_height: int
+    default_num_inference_steps: int
+    default_guidance_scale: float
+    warnings: tuple[str, ...] = field(default=())

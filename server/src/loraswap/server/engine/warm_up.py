@@ -1,0 +1,70 @@
+"""The warm-up: the requests that make every later request reuse a compiled graph.
+
+dynamo compiles the first call for its exact shapes; a call with other shapes marks the
+changed dimensions dynamic. Past that, guards split requests into classes that each need
+a graph (see `warm_up_sizes`), and some guidance settings change a batch dimension (see
+`FamilyTraits.warm_up_guidance`). Plain values in, plain requests out: no torch here.
+"""
+
+from __future__ import annotations
+
+from loraswap.server.engine.request_rules import RequestRules
+from loraswap.server.engine.types import GenerationRequest
+
+WARM_UP_PROMPT = "warm-up"
+WARM_UP_STEPS = 2
+
+
+def warm_up_sizes(
+    default: tuple[int, int], multiple: int, min_size: int, max_size: int, upsample_period: int | None
+) -> list[tuple[int, int]]:
+    """The (width, height) sizes, besides the default, that a warm-up runs so no allowed size compiles later.
+
+    Each size differs from the default in both sides, and its width from its height, so dynamo
+    marks both sides dynamic without tying them together. `upsample_period` (SDXL only: the VAE
+    factor times 2**num_upsamplers, in pixels) splits sizes into three graph classes, because
+    diffusers' UNet passes explicit upsample sizes when the latent's height or width is not a
+    multiple of 2**num_upsamplers (`if dim % default_overall_up_factor != 0`, checking height
+    first, then `break`): height not divisible; height divisible but width not; both divisible.
+    One size per class that an allowed size can fall in.
+    """
+
+    def side_near(default_side: int, divisible: bool, upward: bool, avoid: int | None = None) -> int | None:
+        for step in range(1, max_size // multiple + 1):
+            offsets = (step, -step) if upward else (-step, step)
+            for side in (default_side + offset * multiple for offset in offsets):
+                in_class = upsample_period is None or (side % upsample_period == 0) == divisible
+                if min_size <= side <= max_size and in_class and side != avoid:
+                    return side
+        return None
+
+    classes = [(True, True)]
+    if upsample_period is not None and multiple % upsample_period != 0:
+        classes = [(False, True), (True, False), (True, True)]  # (height divisible, width divisible)
+    sizes = []
+    for height_divisible, width_divisible in classes:
+        width = side_near(default[0], width_divisible, upward=True)
+        height = side_near(default[1], height_divisible, upward=False, avoid=width)
+        if width is not None and height is not None:
+            sizes.append((width, height))
+    return sizes
+
+
+def warm_up_requests(
+    rules: RequestRules, upsample_period: int | None, guidances: tuple[float | None, ...]
+) -> list[GenerationRequest]:
+    """The default-size request, then each of `warm_up_sizes` at each guidance (None: the model's default)."""
+    defaults = rules.defaults
+    sizes = warm_up_sizes(
+        (defaults.width, defaults.height), rules.size_multiple, rules.min_size, rules.max_size, upsample_period
+    )
+    requests = [GenerationRequest(prompt=WARM_UP_PROMPT, seed=0, num_inference_steps=WARM_UP_STEPS)]
+    for width, height in sizes:
+        requests += [
+            GenerationRequest(
+                prompt=WARM_UP_PROMPT, seed=0, num_inference_steps=WARM_UP_STEPS, width=width, height=height,
+                guidance_scale=guidance,
+            )
+            for guidance in guidances
+        ]  # fmt: skip
+    return requests

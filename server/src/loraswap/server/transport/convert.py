@@ -1,0 +1,137 @@
+"""Proto <-> domain conversions; the only place that knows both shapes."""
+
+from __future__ import annotations
+
+from loraswap.server.engine.types import (
+    AdapterCacheSummary,
+    AdapterSummary,
+    GeneratedImage,
+    GenerationEvent,
+    GenerationRequest,
+    ImageFormat,
+    ModelFamily,
+    PreloadResult,
+    Queued,
+    ServerDescription,
+    StepProgress,
+)
+from loraswap.v1 import diffusion_service_pb2 as pb
+
+_IMAGE_FORMAT_FROM_PB = {
+    pb.IMAGE_FORMAT_UNSPECIFIED: ImageFormat.PNG,
+    pb.IMAGE_FORMAT_PNG: ImageFormat.PNG,
+    pb.IMAGE_FORMAT_JPEG: ImageFormat.JPEG,
+    pb.IMAGE_FORMAT_WEBP: ImageFormat.WEBP,
+}
+_FAMILY_TO_PB = {ModelFamily.FLUX: pb.MODEL_FAMILY_FLUX, ModelFamily.SDXL: pb.MODEL_FAMILY_SDXL}
+
+
+def _optional(message, field: str):
+    return getattr(message, field) if message.HasField(field) else None
+
+
+def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest:
+    """GenerateRequest -> GenerationRequest; unset optional fields become None (model defaults)."""
+    from loraswap.server.engine.errors import InvalidRequestError
+
+    image_format = _IMAGE_FORMAT_FROM_PB.get(request.image_format)
+    if image_format is None:
+        raise InvalidRequestError(
+            f"image_format {request.image_format} is unknown; use IMAGE_FORMAT_PNG, _JPEG or _WEBP",
+            field="image_format",
+        )
+    return GenerationRequest(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        adapter=request.adapter,
+        adapter_scale=_optional(request, "adapter_scale"),
+        num_inference_steps=_optional(request, "num_inference_steps"),
+        guidance_scale=_optional(request, "guidance_scale"),
+        width=_optional(request, "width"),
+        height=_optional(request, "height"),
+        seed=_optional(request, "seed"),
+        image_format=image_format,
+    )
+
+
+def generation_event_to_pb(event: GenerationEvent) -> pb.GenerateResponse:
+    """A domain event -> one GenerateResponse."""
+    if isinstance(event, Queued):
+        return pb.GenerateResponse(queued=pb.Queued(position=event.position))
+    if isinstance(event, StepProgress):
+        return pb.GenerateResponse(
+            progress=pb.Progress(step=event.step, total_steps=event.total_steps, elapsed_ms=event.elapsed_ms)
+        )
+    if isinstance(event, GeneratedImage):
+        return pb.GenerateResponse(image=image_to_pb(event))
+    raise TypeError(f"not a generation event: {event!r}")
+
+
+def image_to_pb(image: GeneratedImage) -> pb.Image:
+    timings = image.timings
+    return pb.Image(
+        data=image.data,
+        mime_type=image.image_format.mime_type,
+        width=image.width,
+        height=image.height,
+        seed=image.seed,
+        adapter=image.adapter,
+        adapter_scale=image.adapter_scale,
+        timings=pb.Timings(
+            queue_ms=timings.queue_ms,
+            adapter_load_ms=timings.adapter_load_ms,
+            adapter_swap_ms=timings.adapter_swap_ms,
+            denoise_ms=timings.denoise_ms,
+            decode_ms=timings.decode_ms,
+            total_ms=timings.total_ms,
+        ),
+        warnings=list(image.warnings),
+    )
+
+
+def adapter_to_pb(adapter: AdapterSummary) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        id=adapter.id,
+        rank=adapter.rank,
+        target_layers=list(adapter.target_layers),
+        bytes=adapter.bytes,
+        source=adapter.source,
+        hits=adapter.hits,
+        last_used_unix_ms=adapter.last_used_unix_ms,
+        resident=adapter.resident,
+        load_ms=adapter.load_ms,
+        warnings=list(adapter.warnings),
+    )
+
+
+def preload_to_pb(result: PreloadResult) -> pb.PreloadAdapterResponse:
+    return pb.PreloadAdapterResponse(adapter=adapter_to_pb(result.adapter), already_cached=result.already_cached)
+
+
+def adapter_list_to_pb(summary: AdapterCacheSummary) -> pb.ListAdaptersResponse:
+    return pb.ListAdaptersResponse(
+        adapters=[adapter_to_pb(adapter) for adapter in summary.adapters],
+        cache_bytes=summary.cache_bytes,
+        cache_budget_bytes=summary.cache_budget_bytes,
+    )
+
+
+def server_description_to_pb(info: ServerDescription) -> pb.GetServerInfoResponse:
+    return pb.GetServerInfoResponse(
+        model=info.model,
+        family=_FAMILY_TO_PB.get(info.family, pb.MODEL_FAMILY_UNSPECIFIED),
+        dtype=info.dtype,
+        device=info.device,
+        max_rank=info.max_rank,
+        target_layers=list(info.target_layers),
+        compiled=info.compiled,
+        recompilations=info.recompilations,
+        resident_adapter=info.resident_adapter,
+        size_multiple=info.size_multiple,
+        min_size=info.min_size,
+        max_size=info.max_size,
+        default_width=info.default_width,
+        default_height=info.default_height,
+        default_num_inference_steps=info.default_num_inference_steps,
+        default_guidance_scale=info.default_guidance_scale,
+    )

@@ -1,1 +1,0 @@
-"""loraswap: one warm diffusion pipeline, many LoRA adapters swapped in place."""

@@ -1,0 +1,1 @@
+"""Helpers the tests share: imported by the tests that use them, never from a conftest."""
