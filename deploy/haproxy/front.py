@@ -1,0 +1,244 @@
+"""Start N local loraswap replicas (each on a port the OS picks, loopback only) and HAProxy in front of them.
+
+    python deploy/haproxy/front.py --replicas 3 [--front-port 50050] [-- extra `loraswap serve` flags]
+
+It waits until every replica answers SERVING on the gRPC health service, renders
+deploy/haproxy/haproxy.cfg for those replicas (only the `bind` and `server` lines
+change; every other knob is the file's), starts HAProxy, waits until HAProxy sees
+every replica up, prints one JSON line with the front's address, and runs until
+SIGINT/SIGTERM, then stops everything. The tests and benchmarks/scaleout.py use
+`LocalFront` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parent / "haproxy.cfg"
+SERVER_LINE = re.compile(r"^(\s*)server replica\d+ .*$", re.MULTILINE)
+BIND_LINE = re.compile(r"^(\s*)bind 127\.0\.0\.1:\d+ proto h2$", re.MULTILINE)
+STATS_LINE = re.compile(r"^(\s*)stats socket \S+", re.MULTILINE)
+
+
+def render_config(replica_ports: list[int], front_bind: str, stats_socket: Path) -> str:
+    """deploy/haproxy/haproxy.cfg with its bind address (`127.0.0.1:PORT`, or `fd@N` for a socket the caller
+    opened), stats socket and server lines for these replicas."""
+    text = CONFIG.read_text()
+    servers = [m for m in SERVER_LINE.finditer(text)]
+    if not servers or not BIND_LINE.search(text):
+        raise ValueError(f"{CONFIG} has no `bind 127.0.0.1:PORT proto h2` or `server replicaN` lines to render")
+    indent = servers[0].group(1)
+    lines = "\n".join(f"{indent}server replica{i} 127.0.0.1:{port}" for i, port in enumerate(replica_ports, 1))
+    text = text[: servers[0].start()] + lines + text[servers[-1].end() :]
+    text = BIND_LINE.sub(lambda m: f"{m.group(1)}bind {front_bind} proto h2", text)
+    return STATS_LINE.sub(lambda m: f"{m.group(1)}stats socket {stats_socket}", text)
+
+
+@dataclass
+class Replica:
+    """One `loraswap serve` process on a port the OS picked."""
+
+    process: subprocess.Popen
+    log_path: Path
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def start_replica(serve_flags: list[str], log_path: Path, env: dict[str, str]) -> Replica:
+    """Start `loraswap serve --host 127.0.0.1 --port 0 ...`; the port is known once it prints it."""
+    command = [sys.executable, "-m", "loraswap.client.command", "serve", "--host", "127.0.0.1", "--port", "0"]
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        [*command, *serve_flags], stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
+    )
+    replica = Replica(process=process, log_path=log_path)
+    line = process.stdout.readline()  # "loraswap: listening on port N, loading MODEL"
+    match = re.search(r"listening on port (\d+)", line)
+    if match is None:
+        process.kill()
+        raise RuntimeError(f"replica did not start: {line!r}; log: {log_path.read_text()[-2000:]}")
+    replica.port = int(match.group(1))
+    # Keep draining stdout so the replica never blocks on a full pipe.
+    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+    return replica
+
+
+def wait_serving(address: str, timeout: float) -> None:
+    """Block until the gRPC health service at address answers SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} was not SERVING within {timeout:.0f} s")
+
+
+@dataclass
+class LocalFront:
+    """N replicas and HAProxy in front of them, all on loopback; a context manager."""
+
+    replicas: int = 3
+    serve_flags: list[str] = field(default_factory=list)
+    front_port: int = 0
+    ready_timeout: float = 600.0
+    env: dict[str, str] | None = None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="loraswap-front-")))
+    started: list[Replica] = field(default_factory=list, init=False)
+    haproxy: subprocess.Popen | None = field(default=None, init=False)
+    port: int = field(default=0, init=False)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def stats_socket(self) -> Path:
+        return self.workdir / "haproxy.sock"
+
+    def __enter__(self) -> LocalFront:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the replicas, wait for each to serve, then HAProxy, and wait until it sees them all up."""
+        haproxy = shutil.which("haproxy")
+        if haproxy is None:
+            raise FileNotFoundError("haproxy is not installed (Debian: apt-get install haproxy)")
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            for index in range(self.replicas):
+                self.started.append(start_replica(self.serve_flags, self.workdir / f"replica{index + 1}.log", env))
+            for replica in self.started:
+                wait_serving(replica.address, self.ready_timeout)
+            # Port 0: this process binds a socket the OS gives a port to and hands HAProxy its descriptor.
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", self.front_port))
+            listener.listen(128)
+            self.port = listener.getsockname()[1]
+            bind = f"fd@{listener.fileno()}"
+            config = self.workdir / "haproxy.cfg"
+            config.write_text(render_config([r.port for r in self.started], bind, self.stats_socket))
+            with listener:
+                check = subprocess.run(
+                    [haproxy, "-c", "-f", str(config)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                    pass_fds=[listener.fileno()],
+                )
+                if check.returncode != 0:
+                    raise RuntimeError(f"haproxy refused the rendered config: {check.stdout}{check.stderr}")
+                log = (self.workdir / "haproxy.log").open("w")
+                self.haproxy = subprocess.Popen(
+                    [haproxy, "-db", "-f", str(config)], stdout=log, stderr=log, pass_fds=[listener.fileno()]
+                )
+            self._wait_for_front()
+            self.wait_until_up(timeout=30)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_for_front(self) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.haproxy.poll() is not None:
+                raise RuntimeError(f"haproxy exited: {(self.workdir / 'haproxy.log').read_text()[-2000:]}")
+            if self.stats_socket.exists():
+                with contextlib.suppress(OSError):
+                    self.runtime_api("show info")
+                    return
+            time.sleep(0.05)
+        raise TimeoutError("haproxy did not start")
+
+    def runtime_api(self, command: str) -> str:
+        """One command on HAProxy's runtime API (the stats socket)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(self.stats_socket))
+            sock.sendall(command.encode() + b"\n")
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+    def server_states(self) -> dict[str, str]:
+        """replica name -> HAProxy's view of it: UP, DOWN, MAINT, ..."""
+        states = {}
+        for line in self.runtime_api("show stat").splitlines():
+            parts = line.split(",")
+            if len(parts) > 17 and parts[0] == "loraswap_replicas" and parts[1].startswith("replica"):
+                states[parts[1]] = parts[17]
+        return states
+
+    def wait_until_up(self, timeout: float, replicas: list[str] | None = None) -> None:
+        """Block until HAProxy's health checks see these replicas (default: all) UP."""
+        wanted = replicas or [f"replica{i}" for i in range(1, len(self.started) + 1)]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = self.server_states()
+            if all(states.get(name, "").startswith("UP") for name in wanted):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"haproxy does not see {wanted} up: {self.server_states()}")
+
+    def stop(self) -> None:
+        """SIGTERM HAProxy and every replica; kill what has not exited after a few seconds."""
+        processes = ([self.haproxy] if self.haproxy else []) + [r.process for r in self.started]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--front-port", type=int, default=50050, help="0: the OS picks")
+    parser.add_argument("serve_flags", nargs="*", help="flags for every `loraswap serve` (after --)")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LocalFront(replicas=args.replicas, serve_flags=args.serve_flags, front_port=args.front_port) as front:
+        print(json.dumps({"front": front.address, "replicas": [r.address for r in front.started],
+                          "workdir": str(front.workdir)}), flush=True)  # fmt: skip
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
