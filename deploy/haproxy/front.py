@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -32,11 +33,20 @@ CONFIG = Path(__file__).resolve().parent / "haproxy.cfg"
 SERVER_LINE = re.compile(r"^(\s*)server replica\d+ .*$", re.MULTILINE)
 BIND_LINE = re.compile(r"^(\s*)bind 127\.0\.0\.1:\d+ proto h2$", re.MULTILINE)
 STATS_LINE = re.compile(r"^(\s*)stats socket \S+", re.MULTILINE)
+BALANCE_LINE = re.compile(r"^(\s*)balance \S+$", re.MULTILINE)
+FACTOR_LINE = re.compile(r"^(\s*)hash-balance-factor \d+$", re.MULTILINE)
 
 
-def render_config(replica_ports: list[int], front_bind: str, stats_socket: Path) -> str:
+def render_config(
+    replica_ports: list[int],
+    front_bind: str,
+    stats_socket: Path,
+    balance: str | None = None,
+    balance_factor: int | None = None,
+) -> str:
     """deploy/haproxy/haproxy.cfg with its bind address (`127.0.0.1:PORT`, or `fd@N` for a socket the caller
-    opened), stats socket and server lines for these replicas."""
+    opened), stats socket and server lines for these replicas; `balance` replaces the balance algorithm
+    (benchmarks compare `roundrobin`) and `balance_factor` the hash-balance-factor."""
     text = CONFIG.read_text()
     servers = [m for m in SERVER_LINE.finditer(text)]
     if not servers or not BIND_LINE.search(text):
@@ -45,6 +55,10 @@ def render_config(replica_ports: list[int], front_bind: str, stats_socket: Path)
     lines = "\n".join(f"{indent}server replica{i} 127.0.0.1:{port}" for i, port in enumerate(replica_ports, 1))
     text = text[: servers[0].start()] + lines + text[servers[-1].end() :]
     text = BIND_LINE.sub(lambda m: f"{m.group(1)}bind {front_bind} proto h2", text)
+    if balance is not None:
+        text = BALANCE_LINE.sub(lambda m: f"{m.group(1)}balance {balance}", text)
+    if balance_factor is not None:
+        text = FACTOR_LINE.sub(lambda m: f"{m.group(1)}hash-balance-factor {balance_factor}", text)
     return STATS_LINE.sub(lambda m: f"{m.group(1)}stats socket {stats_socket}", text)
 
 
@@ -61,12 +75,28 @@ class Replica:
         return f"127.0.0.1:{self.port}"
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG = 1
+
+
+def _end_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux), so no replica outlives
+    a killed benchmark or test. One libc call, nothing that takes a lock another thread may hold."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_replica(serve_flags: list[str], log_path: Path, env: dict[str, str]) -> Replica:
     """Start `loraswap serve --host 127.0.0.1 --port 0 ...`; the port is known once it prints it."""
     command = [sys.executable, "-m", "loraswap.client.command", "serve", "--host", "127.0.0.1", "--port", "0"]
     log = log_path.open("w")
     process = subprocess.Popen(
-        [*command, *serve_flags], stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
+        [*command, *serve_flags],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_end_with_parent,  # noqa: PLW1509 - only a prctl call between fork and exec
     )
     replica = Replica(process=process, log_path=log_path)
     line = process.stdout.readline()  # "loraswap: listening on port N, loading MODEL"
@@ -108,6 +138,8 @@ class LocalFront:
     front_port: int = 0
     ready_timeout: float = 600.0
     env: dict[str, str] | None = None
+    balance: str | None = None  # None: the file's (hdr(lora))
+    balance_factor: int | None = None  # None: the file's
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="loraswap-front-")))
     started: list[Replica] = field(default_factory=list, init=False)
     haproxy: subprocess.Popen | None = field(default=None, init=False)
@@ -148,7 +180,11 @@ class LocalFront:
             self.port = listener.getsockname()[1]
             bind = f"fd@{listener.fileno()}"
             config = self.workdir / "haproxy.cfg"
-            config.write_text(render_config([r.port for r in self.started], bind, self.stats_socket))
+            config.write_text(
+                render_config(
+                    [r.port for r in self.started], bind, self.stats_socket, self.balance, self.balance_factor
+                )
+            )
             with listener:
                 check = subprocess.run(
                     [haproxy, "-c", "-f", str(config)],
@@ -161,7 +197,11 @@ class LocalFront:
                     raise RuntimeError(f"haproxy refused the rendered config: {check.stdout}{check.stderr}")
                 log = (self.workdir / "haproxy.log").open("w")
                 self.haproxy = subprocess.Popen(
-                    [haproxy, "-db", "-f", str(config)], stdout=log, stderr=log, pass_fds=[listener.fileno()]
+                    [haproxy, "-db", "-f", str(config)],
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=[listener.fileno()],
+                    preexec_fn=_end_with_parent,  # noqa: PLW1509 - only a prctl call between fork and exec
                 )
             self._wait_for_front()
             self.wait_until_up(timeout=30)

@@ -7,6 +7,7 @@ hashing under a balance factor), real channels to the front.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,8 +16,8 @@ import time
 
 import grpc
 import pytest
-
 from deploy.haproxy.front import LocalFront
+
 from loraswap.client import GeneratedImage, LoraswapClient, Progress
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
@@ -100,3 +101,17 @@ def test_a_replica_drained_with_sigterm_finishes_its_call_and_leaves_the_rotatio
         caller.join(120)
     assert [type(result).__name__ for result in results] == ["GeneratedImage", "GeneratedImage"], results
     assert drained.process.wait(60) == 0
+
+
+def test_scaleout_benchmark_prints_its_figures(capsys) -> None:
+    from benchmarks import scaleout
+
+    assert (
+        scaleout.main(["--replicas", "2", "--requests", "12", "--clients", "3", "--adapters", "4", "--steps", "1"]) == 0
+    )
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for run in (figures, figures["round_robin"]):
+        assert run["requests"] == 12 and sum(run["requests_per_replica"]) == 12
+        assert run["distinct_adapters"] <= run["adapter_loads"] <= 2 * run["distinct_adapters"]
+        assert {"loads_over_ideal", "max_replica_share_over_mean", "p50_ms", "p99_ms"} <= set(run)
+    assert figures["round_robin"]["balance"] == "roundrobin"

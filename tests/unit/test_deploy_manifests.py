@@ -88,7 +88,7 @@ def test_envoy_bootstrap_validates_and_hashes_on_lora_under_a_balance_factor() -
     bootstrap = _validate_envoy(yaml.safe_load((KUBERNETES / "envoy.yaml").read_text()))
     cluster = bootstrap.static_resources.clusters[0]
     assert cluster.lb_policy.name == "RING_HASH"
-    assert cluster.common_lb_config.consistent_hashing_lb_config.hash_balance_factor == 125
+    assert cluster.common_lb_config.consistent_hashing_lb_config.hash_balance_factor == 250
     assert cluster.health_checks[0].grpc_health_check is not None
     connection_manager = yaml.safe_load((KUBERNETES / "envoy.yaml").read_text())["static_resources"]["listeners"][0]
     route = connection_manager["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
