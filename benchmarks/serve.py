@@ -150,7 +150,9 @@ def measure_direct(args, model: str, adapter_dir: Path) -> dict:
     for index in range(1 + args.repeats):
         stamps.clear()
         begun = time.perf_counter()
-        runtime.generate(params, adapter, on_step=lambda _: stamps.append(time.perf_counter()), is_cancelled=bool)
+        runtime.generate(
+            params, ((adapter, 1.0),), on_step=lambda _: stamps.append(time.perf_counter()), is_cancelled=bool
+        )
         if index > 0:  # the first run is a warm-up
             totals.append(time.perf_counter() - begun)
             steps.extend(later - earlier for earlier, later in itertools.pairwise(stamps))
@@ -172,7 +174,7 @@ def measure_direct(args, model: str, adapter_dir: Path) -> dict:
 class ServerProcess:
     """`loraswap serve` on a port the OS picks, in its own process; stopped with SIGTERM."""
 
-    def __init__(self, args, model: str, adapter_dir: Path, log_path: Path) -> None:
+    def __init__(self, args, model: str, adapter_dir: Path, log_path: Path, extra_flags: tuple[str, ...] = ()) -> None:
         command = [
             sys.executable, "-m", "loraswap.client.command", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
             "--adapter-dir", str(adapter_dir), "--torch-threads", str(args.threads), "--device", "cpu",
@@ -182,6 +184,7 @@ class ServerProcess:
             command.append("--no-compile")
         else:
             command += ["--compile", "--compile-backend", args.compile_backend]
+        command += extra_flags
         self.log_path = log_path
         self._log = log_path.open("w")
         env = dict(os.environ, HF_HUB_OFFLINE="1")

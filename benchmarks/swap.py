@@ -5,7 +5,10 @@
     python -m benchmarks.swap --model random-flux --layers 8
 
 Every path swaps between two adapters of the same rank (the headline), then
-again between two of different ranks (reported under "mixed_rank"). Each swap
+again between two of different ranks (reported under "mixed_rank"). The
+stack paths swap between two stacks of `--stack-members` adapters of rank
+rank / members on the same layers, so that a stack holds the bytes of one
+headline adapter (reported under "stack"). Each swap
 is timed with perf_counter around the whole path, from "a different adapter
 is wanted" to "the model would now run with it". The first swap of each path
 on a clean model is reported apart ("first_swap_s"); then one warm-up swap is
@@ -33,6 +36,7 @@ DEFAULT_MODEL = "random-sdxl"
 DEFAULT_RANK = 32
 DEFAULT_MIXED_RANKS = (8, 64)
 DEFAULT_REPEATS = 7
+DEFAULT_STACK_MEMBERS = 2
 # One thread: the dev machines have two shared cores, and one thread keeps the figures stable.
 DEFAULT_THREADS = 1
 ADAPTER_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -53,6 +57,8 @@ PATHS = (
     "floor_copy",
     "floor_read_copy",
 )
+# Measured over a pair of stacks (tuples of adapter files) instead of a pair of adapters.
+STACK_PATHS = ("loraswap_stack", "floor_copy_stack")
 
 
 def log(message: str) -> None:
@@ -249,6 +255,19 @@ class SwapBench:
 
         return self.measure(pair, swap, swap)
 
+    def loraswap_stack(self, pair):
+        """`HotswapSlot.load_stack` of canonical adapters in host memory: the cache to a whole stack ready."""
+        for stack in pair:
+            for path in stack:
+                self.canonical.setdefault(str(path), self._load_canonical(path))
+        self.slot.load(None)
+
+        def swap(stack):
+            with torch.inference_mode():
+                self.slot.load_stack([(self.canonical[str(path)], 1.0) for path in stack])
+
+        return self.measure(pair, swap, swap)
+
     def loraswap_warm(self, pair):
         # The host-memory cache holds canonical adapters; a warm swap starts from one of them.
         for path in pair:
@@ -266,9 +285,12 @@ class SwapBench:
     def floor_copy(self, pair):
         """copy_ of the adapter's own tensors (canonical form) into preallocated tensors of the same shapes."""
         sources = {}
-        for path in pair:
-            canonical = self.canonical.get(str(path)) or self._load_canonical(path)
-            sources[path] = [t for layer in canonical.layers.values() for t in (layer.a, layer.b)]
+        for item in pair:
+            paths = item if isinstance(item, tuple) else (item,)  # a stack: all its members' tensors
+            canonical = [self.canonical.get(str(path)) or self._load_canonical(path) for path in paths]
+            sources[item] = [
+                t for adapter in canonical for layer in adapter.layers.values() for t in (layer.a, layer.b)
+            ]
         targets = {path: [torch.empty_like(t) for t in tensors] for path, tensors in sources.items()}
         for path in pair:  # touch the pages once: the slot's memory is resident too
             for target in targets[path]:
@@ -280,6 +302,10 @@ class SwapBench:
                 target.copy_(source)
 
         return self.measure(pair, swap, swap)
+
+    def floor_copy_stack(self, pair):
+        """The floor copy of a stack's bytes: every member's tensors copied as `floor_copy` copies one adapter's."""
+        return self.floor_copy(pair)
 
     def floor_read_copy(self, pair):
         """safetensors.torch.load_file of the adapter file plus the floor copy of its tensors."""
@@ -296,8 +322,10 @@ class SwapBench:
 
     # -- recompilation check -------------------------------------------------------------------------
 
-    def count_recompilations(self, adapters: list[Path], backend: str, size: int) -> dict[str, object]:
-        """Compile the denoiser (slot in place), run once, then swap through `adapters` running after each.
+    def count_recompilations(
+        self, adapters: list[Path | tuple[Path, ...]], backend: str, size: int
+    ) -> dict[str, object]:
+        """Compile the denoiser (slot in place), run once, then run after each swap to `adapters` (files or stacks).
 
         Returns the graphs compiled after the first run: a swap that changed a
         shape, a dtype or a guarded attribute would show up here.
@@ -315,9 +343,10 @@ class SwapBench:
         with torch.inference_mode():
             self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
             at_ready = counter.graphs_compiled
-            for path in [*adapters, None]:
-                adapter = None if path is None else (self.canonical.get(str(path)) or self._load_canonical(path))
-                self.slot.load(adapter, 1.0)
+            for item in [*adapters, ()]:
+                paths = item if isinstance(item, tuple) else (item,)
+                members = [(self.canonical.get(str(path)) or self._load_canonical(path), 1.0) for path in paths]
+                self.slot.load_stack(members)
                 self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
         return {
             "backend": backend,
@@ -328,17 +357,21 @@ class SwapBench:
         }
 
 
-def run_pair(bench: SwapBench, pair: tuple[Path, Path], paths: tuple[str, ...]) -> tuple[dict, dict, dict]:
+def _label(item: Path | tuple[Path, ...]) -> str:
+    """An adapter's name, or a stack's members' names joined with '+'."""
+    return "+".join(path.parent.name for path in item) if isinstance(item, tuple) else item.parent.name
+
+
+def run_pair(bench: SwapBench, pair: tuple, paths: tuple[str, ...]) -> tuple[dict, dict, dict]:
     """Each path over the pair: summaries over all swaps, first swaps, and summaries by the adapter swapped to."""
     results, first, by_target = {}, {}, {}
     for name in paths:
-        log(f"  {name}: {pair[0].parent.name} <-> {pair[1].parent.name}")
+        log(f"  {name}: {_label(pair[0])} <-> {_label(pair[1])}")
         first_s, samples = getattr(bench, name)(pair)
         results[name] = summarize([elapsed for _, elapsed in samples])
         first[name] = first_s
         by_target[name] = {
-            f"to_{path.parent.name}": summarize([elapsed for target, elapsed in samples if target == path])
-            for path in pair
+            f"to_{_label(item)}": summarize([elapsed for target, elapsed in samples if target == item]) for item in pair
         }
         log(f"  {name}: first {first_s:.4f} s, median {results[name]['median_s']:.4f} s")
     return results, first, by_target
@@ -389,6 +422,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--mixed-ranks", default=",".join(map(str, DEFAULT_MIXED_RANKS)), help="two ranks for the mixed pair; '' skips"
     )
     parser.add_argument("--max-rank", type=int, default=None, help="slot / hotswap target rank (default: highest rank)")
+    parser.add_argument(
+        "--stack-members",
+        type=int,
+        default=DEFAULT_STACK_MEMBERS,
+        help="adapters in each stack of the stack paths, each of rank --rank / N; 0 skips the stack paths",
+    )
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed swaps per path after 1 warm-up")
     parser.add_argument("--dtype", default="bfloat16", help="weights' dtype")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of the paths")
@@ -407,6 +446,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.stack_members < 0 or (args.stack_members and args.rank // args.stack_members < 1):
+        parser.error("--stack-members must be 0 (skip) or at most --rank")
     return args
 
 
@@ -455,6 +496,18 @@ def main(argv: list[str] | None = None) -> dict:
             files[name] = write_lora_file(
                 pipe, layer_names, adapter_dir / name, rank=rank, patterns=patterns, seed=seed
             )
+    stacks = None
+    if args.stack_members:
+        # Two stacks of `members` adapters on the headline's layers, each of rank rank // members.
+        members, member_rank = args.stack_members, args.rank // args.stack_members
+        stack_files = [
+            write_lora_file(
+                pipe, layer_names, adapter_dir / f"r{member_rank}-s{index}", rank=member_rank, patterns=patterns,
+                seed=len(wanted) + 1 + index,
+            )
+            for index in range(2 * members)
+        ]  # fmt: skip
+        stacks = (tuple(stack_files[:members]), tuple(stack_files[members:]))
     write_s = time.perf_counter() - started
     headline = (files[f"r{args.rank}-a"], files[f"r{args.rank}-b"])
     mixed = (files[f"r{args.mixed[0]}-a"], files[f"r{args.mixed[1]}-a"]) if args.mixed else None
@@ -474,13 +527,17 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"{label}: loraswap's paths and the floors")
         for part, values in zip(measured[label], run_pair(bench, pair, own_paths), strict=True):
             part.update(values)
+    stack_measured = None
+    if stacks:
+        log("stack: loraswap's stack path and its floor")
+        stack_measured = run_pair(bench, stacks, STACK_PATHS)
 
     check = None
     if args.compile_backend != "none":
         # The smallest images the full-size models take: cheap runs with every layer in the graph.
         size = args.check_size or (16 if family.value == "flux" else 32)
         log(f"recompilation check: {args.compile_backend} backend, {size} px")
-        check = bench.count_recompilations([*headline, *(mixed or ())], args.compile_backend, size)
+        check = bench.count_recompilations([*headline, *(mixed or ()), *(stacks or ())], args.compile_backend, size)
         log(f"recompilation check: {check['recompilations']} recompilations in {check['elapsed_s']:.1f} s")
 
     headline_paths, headline_first, _ = measured["headline"]
@@ -516,6 +573,25 @@ def main(argv: list[str] | None = None) -> dict:
             "paths": mixed_paths,
             "first_swap_s": mixed_first,
             "by_direction": directions,
+        }
+    if stacks:
+        stack_paths, stack_first, _ = stack_measured
+        stack_ratio = stack_paths["loraswap_stack"]["median_s"] / stack_paths["floor_copy_stack"]["median_s"]
+        warm = headline_paths.get("loraswap_warm")
+        result["stack"] = {
+            "members": args.stack_members,
+            "member_rank": args.rank // args.stack_members,
+            "summed_rank": args.stack_members * (args.rank // args.stack_members),
+            "adapter_bytes": sum(_file_tensor_bytes(path) for path in stacks[0]),
+            "paths": stack_paths,
+            "first_swap_s": stack_first,
+            "ratios": {
+                "loraswap_stack_over_floor_copy_stack": stack_ratio,
+                # The headline adapter holds the same bytes when --rank divides by --stack-members.
+                "loraswap_stack_over_loraswap_warm": (
+                    stack_paths["loraswap_stack"]["median_s"] / warm["median_s"] if warm else None
+                ),
+            },
         }
     result["recompilations"] = None if check is None else check["recompilations"]
     result["recompilation_check"] = check

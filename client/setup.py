@@ -2,9 +2,11 @@
 
 The stubs are never committed: `build_py` (used by `pip install`, wheels and editable installs
 alike) runs protoc over the repository's protos/ (or the copy an sdist carries), so the generated
-package imports without any patching.
+package imports without any patching. The contract's JSON files (the gRPC service config) are
+copied beside the stubs, where the client reads them as package data.
 """
 
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -39,6 +41,8 @@ def generate_stubs(out_dir: Path) -> None:
         raise RuntimeError(f"protoc failed on {protos}")
     for package_dir in {(out_dir / p).parent for p in protos}:
         (package_dir / "__init__.py").touch()
+    for contract_file in PROTO_ROOT.rglob("*.json"):
+        shutil.copyfile(contract_file, out_dir / contract_file.relative_to(PROTO_ROOT))
 
 
 class BuildPyWithStubs(build_py):
@@ -56,8 +60,6 @@ class SdistWithContract(sdist):
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
-        import shutil
-
         shutil.copytree(PROTO_ROOT, Path(base_dir) / "protos", dirs_exist_ok=True)
 
 

@@ -21,11 +21,14 @@ from loraswap.client.errors import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
+    FieldViolation,
     InternalError,
     InvalidRequest,
     LoraswapError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     error_from_rpc,
     error_reason_value,
@@ -115,12 +118,14 @@ ERROR_CASES = [
     ErrorCase(grpc.StatusCode.UNAVAILABLE, "SHUTTING_DOWN", {}, Unavailable),
     ErrorCase(grpc.StatusCode.CANCELLED, "CANCELLED", {}, Cancelled),
     ErrorCase(grpc.StatusCode.INTERNAL, "GENERATION_FAILED", {}, InternalError),
+    ErrorCase(grpc.StatusCode.UNAUTHENTICATED, "TOKEN_MISSING", {}, Unauthenticated),
+    ErrorCase(grpc.StatusCode.PERMISSION_DENIED, "ADMIN_REQUIRED", {}, PermissionDenied),
     # Codes a loraswap server never sends with an ErrorInfo (a proxy or a newer server might):
     # reasons outside the vocabulary still pass through unchanged.
     ErrorCase(grpc.StatusCode.DEADLINE_EXCEEDED, "GENERATION_TIMED_OUT", {}, DeadlineExceeded),
     ErrorCase(grpc.StatusCode.UNKNOWN, "UNEXPECTED", {}, InternalError),
     ErrorCase(grpc.StatusCode.UNIMPLEMENTED, "NOT_SUPPORTED", {}, InternalError),
-    ErrorCase(grpc.StatusCode.PERMISSION_DENIED, "DENIED_BY_PROXY", {"policy": "internal-only"}, InternalError),
+    ErrorCase(grpc.StatusCode.PERMISSION_DENIED, "DENIED_BY_PROXY", {"policy": "internal-only"}, PermissionDenied),
     ErrorCase(grpc.StatusCode.DATA_LOSS, "CORRUPT_ADAPTER", {}, InternalError),
 ]
 
@@ -170,6 +175,36 @@ async def test_rich_status_without_error_info_has_no_reason(failing_server_targe
 
     assert type(error) is InvalidRequest
     assert (error.reason, error.metadata) == (None, {})
+    assert error.field_violations == (FieldViolation("width", "too big"),)
+
+
+@pytest.mark.parametrize("api", ["aio", "sync"])
+async def test_retry_info_and_bad_request_beside_the_error_info(failing_server_target: str, api: str) -> None:
+    """The server's standard details arrive as retry_delay_s and field_violations; the ErrorInfo still counts."""
+    status = _rich_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full; retry", "QUEUE_FULL", {"retry_after_s": "9"})
+    retry = any_pb2.Any()
+    retry.Pack(error_details_pb2.RetryInfo(retry_delay={"seconds": 2, "nanos": 500_000_000}))
+    bad_request = any_pb2.Any()
+    bad_request.Pack(
+        error_details_pb2.BadRequest(
+            field_violations=[{"field": "width", "description": "not a multiple of 16"}, {"field": "height"}]
+        )
+    )
+    status.details.extend([retry, bad_request])
+    rpc_error = await _failed_call(failing_server_target, _ABORT_WITH_RICH_STATUS, status, api)
+
+    error = error_from_rpc(rpc_error)
+
+    assert type(error) is ResourceExhausted and error.reason == "QUEUE_FULL"
+    assert error.retry_delay_s == 2.5 and error.retry_after_s == 2.5  # RetryInfo wins over the metadata hint
+    assert error.field_violations == (FieldViolation("width", "not a multiple of 16"), FieldViolation("height", ""))
+
+
+async def test_no_retry_info_means_no_retry_delay(failing_server_target: str) -> None:
+    status = _rich_status(grpc.StatusCode.NOT_FOUND, "no such adapter", "ADAPTER_NOT_FOUND", {"adapter": "ink"})
+    error = error_from_rpc(await _failed_call(failing_server_target, _ABORT_WITH_RICH_STATUS, status, "aio"))
+
+    assert (error.retry_delay_s, error.field_violations) == (None, ())
 
 
 def test_rpc_error_that_is_not_a_call_becomes_internal_error() -> None:

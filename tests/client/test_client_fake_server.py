@@ -34,6 +34,7 @@ from loraswap.client import (
     PreloadResult,
     Progress,
     Queued,
+    StackedAdapter,
     Timings,
 )
 from loraswap.client import cli as client_cli
@@ -66,6 +67,17 @@ EVENT_WAIT_S = 5.0
 GenerateBehaviour = Callable[[pb.GenerateRequest, grpc.aio.ServicerContext], AsyncIterator[pb.GenerateResponse]]
 
 
+def applied_adapters(request: pb.GenerateRequest) -> list[pb.StackedAdapter]:
+    """What the real server reports in Image.adapters: the stack, or the single adapter, each with its strength."""
+    if request.adapters:
+        return [
+            pb.StackedAdapter(adapter=entry.adapter, scale=entry.scale if entry.HasField("scale") else 1.0)
+            for entry in request.adapters
+        ]
+    scale = request.adapter_scale if request.HasField("adapter_scale") else 1.0
+    return [pb.StackedAdapter(adapter=request.adapter, scale=scale)] if request.adapter else []
+
+
 def image_for(request: pb.GenerateRequest) -> pb.Image:
     """The image the double 'generates': it echoes the request the way the real server reports it."""
     return pb.Image(
@@ -80,6 +92,7 @@ def image_for(request: pb.GenerateRequest) -> pb.Image:
             queue_ms=1.0, adapter_load_ms=2.0, adapter_swap_ms=3.0, denoise_ms=4.0, decode_ms=5.0, total_ms=15.0
         ),
         warnings=["dropped 4 text-encoder layers"],
+        adapters=applied_adapters(request),
     )
 
 
@@ -230,6 +243,7 @@ async def test_generate_yields_typed_events_in_order(client: AsyncLoraswapClient
                 queue_ms=1.0, adapter_load_ms=2.0, adapter_swap_ms=3.0, denoise_ms=4.0, decode_ms=5.0, total_ms=15.0
             ),
             warnings=("dropped 4 text-encoder layers",),
+            adapters=(StackedAdapter("styles/ink", 0.8),),
         ),
     ]
 
@@ -274,6 +288,39 @@ async def test_unencodable_arguments_raise_invalid_request(
 ) -> None:
     with pytest.raises(InvalidRequest):
         await client.generate_image("a lighthouse", seed=seed, image_format=image_format)  # type: ignore[arg-type]
+
+    assert service.generate_requests == []
+
+
+async def test_a_stack_is_sent_in_any_form_and_reported_typed(
+    client: AsyncLoraswapClient, service: FakeDiffusionService
+) -> None:
+    image = await client.generate_image(
+        "a lighthouse", adapters=["styles/ink", ("paper", 0.5), StackedAdapter("hf:owner/repo", -1.25), ("fog", None)]
+    )
+
+    request = service.generate_requests[-1]
+    assert (request.adapter, request.HasField("adapter_scale")) == ("", False)
+    sent = [(entry.adapter, entry.scale if entry.HasField("scale") else None) for entry in request.adapters]
+    assert sent == [("styles/ink", None), ("paper", 0.5), ("hf:owner/repo", -1.25), ("fog", None)]
+    assert image.adapters == (
+        StackedAdapter("styles/ink", 1.0),
+        StackedAdapter("paper", 0.5),
+        StackedAdapter("hf:owner/repo", -1.25),
+        StackedAdapter("fog", 1.0),
+    )
+
+
+@pytest.mark.parametrize(
+    "adapters",
+    ["styles/ink", [("a", 1.0, 2.0)], [("a", "strong")], [3]],
+    ids=["a-string", "a-triple", "a-text-scale", "a-number"],
+)
+async def test_unencodable_stacks_raise_invalid_request(
+    client: AsyncLoraswapClient, service: FakeDiffusionService, adapters: Any
+) -> None:
+    with pytest.raises(InvalidRequest):
+        await client.generate_image("a lighthouse", adapters=adapters)
 
     assert service.generate_requests == []
 
@@ -489,10 +536,56 @@ async def test_cli_generate_writes_image_and_prints_summary(
             "total_ms": 15.0,
         },
         "warnings": ["dropped 4 text-encoder layers"],
+        "adapters": [{"adapter": "styles/ink", "scale": 0.8}],
     }
     assert "\rqueued: position 2" in captured.err
     assert "\r[" + "#" * 30 + "] 3/3 steps" in captured.err
     assert captured.err.endswith("\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "adapter", "adapter_scale", "stack"),
+    [
+        (("--adapter", "ink"), "ink", None, []),
+        (("--adapter", "ink", "--scale", "0.5"), "ink", 0.5, []),
+        (("--adapter", "ink:0.5"), "ink", 0.5, []),
+        (("--adapter", "hf:owner/repo:style.safetensors"), "hf:owner/repo:style.safetensors", None, []),
+        (("--adapter", "ink:0.8", "--adapter", "paper:-0.5"), "", None, [("ink", 0.8), ("paper", -0.5)]),
+        (("--adapter", "ink", "--adapter", "hf:o/r@v1:1.5"), "", None, [("ink", None), ("hf:o/r@v1", 1.5)]),
+    ],
+    ids=["one", "one-with-scale", "one-name-colon-scale", "hub-reference", "stack", "stack-default-strength"],
+)
+async def test_cli_adapter_options_send_one_adapter_or_a_stack(
+    target: str, service: FakeDiffusionService, tmp_path: Path, argv, adapter, adapter_scale, stack
+) -> None:
+    args = parse_cli("generate", "a lighthouse", "--server", target, "-q", "-o", str(tmp_path / "out.png"), *argv)
+
+    assert await asyncio.to_thread(args.func, args) == 0
+
+    request = service.generate_requests[-1]
+    assert request.adapter == adapter
+    assert (request.adapter_scale if request.HasField("adapter_scale") else None) == adapter_scale
+    # Proto floats are float32: compare what was sent rounded back to what was written.
+    sent = [(entry.adapter, round(entry.scale, 6) if entry.HasField("scale") else None) for entry in request.adapters]
+    assert sent == stack
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--adapter", "ink:0.8", "--scale", "0.5"), "--adapter ink:0.8 and --scale both give a strength"),
+        (("--adapter", "ink", "--adapter", "paper", "--scale", "0.5"), "--scale applies to a single --adapter"),
+    ],
+)
+async def test_cli_refuses_ambiguous_strengths(
+    target: str, service: FakeDiffusionService, capsys: pytest.CaptureFixture[str], argv, message
+) -> None:
+    args = parse_cli("generate", "a lighthouse", "--server", target, *argv)
+
+    assert await asyncio.to_thread(args.func, args) == 1
+
+    assert message in capsys.readouterr().err
+    assert service.generate_requests == []
 
 
 @pytest.mark.parametrize(

@@ -282,6 +282,11 @@ async def test_text_encoder_layers_are_dropped_with_a_warning_in_preload_and_ima
     assert all(layer.endswith("to_q") for layer in preloaded.adapter.target_layers)
     image = await client.generate_image("a bridge", adapter="with-text-encoder", seed=1, num_inference_steps=2)
     assert image.warnings == (warning,)
+    # In a stack, the same warning names the member it is about.
+    stacked = await client.generate_image(
+        "a bridge", adapters=[("third", 0.5), ("with-text-encoder", 1.0)], seed=1, num_inference_steps=2
+    )
+    assert stacked.warnings == (f"with-text-encoder: {warning}",)
 
 
 async def test_strict_adapters_refuse_text_encoder_layers(store_dir):
@@ -295,5 +300,10 @@ async def test_strict_adapters_refuse_text_encoder_layers(store_dir):
                 "ADAPTER_TEXT_ENCODER_LAYERS",
             )
             assert "--strict-adapters" in caught.value.message
+            with pytest.raises(LoraswapError) as caught:  # as a member of a stack too
+                await client.generate_image(
+                    "a bridge", adapters=[GOOD, "with-text-encoder"], seed=1, num_inference_steps=2
+                )
+            assert caught.value.reason == "ADAPTER_TEXT_ENCODER_LAYERS"
     finally:
         await running.stop(1.0)

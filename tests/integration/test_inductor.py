@@ -11,6 +11,9 @@ from tests.support.servers import server_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
+STACK_OF_TWO = [("r4-attn", 0.8), ("r8-context", 1.0)]
+STACK_OF_FOUR = [("r4-attn", 1.0), ("r8-context", 0.6), ("r2-ff-context", -1.0), ("r2-single", 1.5)]
+
 
 async def test_inductor_swaps_match_diffusers_without_recompiling(flux_adapter_dir, flux_reference):
     running = await start_server(server_settings("tiny-flux", flux_adapter_dir, compile_backend="inductor"))
@@ -26,6 +29,15 @@ async def test_inductor_swaps_match_diffusers_without_recompiling(flux_adapter_d
                     adapter, scale, prompt="a lighthouse at dusk", seed=11, steps=4,
                     guidance=info.default_guidance_scale,
                 )  # fmt: skip
+                assert_images_close(decode(image.data), expected)
+            # Stacks of two and four (other layouts, summed ranks up to the slot's 16) <-> single adapters <-> base.
+            for members in [STACK_OF_TWO, [("r16-mlp", 0.7)], STACK_OF_FOUR, [("r8-context", 1.0)], STACK_OF_TWO, []]:
+                image = await client.generate_image(
+                    "a lighthouse at dusk", adapters=members, seed=11, num_inference_steps=4
+                )
+                expected = flux_reference.stack_image(
+                    members, prompt="a lighthouse at dusk", seed=11, steps=4, guidance=info.default_guidance_scale
+                )
                 assert_images_close(decode(image.data), expected)
             assert (await client.server_info()).recompilations == 0
     finally:

@@ -182,6 +182,27 @@ async def test_bypass_limit_holds_under_adversarial_arrivals(client, queue_serve
     assert finished.index("base") <= scheduler.max_bypass
 
 
+async def test_a_resident_stack_is_one_state_its_members_in_any_order_go_first(client, queue_server):
+    """A stack in the slot lets requests for the same members, in another order, go ahead with no swap."""
+    holder = await wait_until_running(client, seed=1, adapters=[("r4-attn", 1.0), ("r8-context", 0.5)])
+    swaps = queue_server.engine.swaps
+    finished: list[str] = []
+
+    async def one(label, adapters):
+        await client.generate_image("order", seed=8, adapters=adapters, num_inference_steps=2)
+        finished.append(label)
+
+    tasks = [asyncio.ensure_future(one("base", []))]
+    await asyncio.sleep(0.05)
+    for index in range(2):
+        tasks.append(asyncio.ensure_future(one(f"stack-{index}", [("r8-context", 0.5), ("r4-attn", 1.0)])))
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*tasks)
+    await holder
+    assert finished == ["stack-0", "stack-1", "base"]
+    assert queue_server.engine.swaps - swaps == 1  # only the base request swapped
+
+
 async def test_not_serving_while_warming_up_and_wait_for_ready_clients_wait(flux_adapter_dir):
     running = await start_server(server_settings("tiny-flux", flux_adapter_dir), wait_until_serving=False)
     try:

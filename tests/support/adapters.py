@@ -6,11 +6,15 @@ from pathlib import Path
 
 # Factor scales that change the tiny models' images clearly but stay out of the
 # chaotic range where float rounding alone flips pixels (tiny-sdxl is touchier).
-# name -> (rank, alpha, target modules); ranks 4, 8 and 16 over different layer subsets.
+# name -> (rank, alpha, target modules); ranks 2, 4, 8 and 16 over different layer subsets.
 FLUX_ADAPTERS = {
     "r4-attn": (4, 8.0, ("to_q", "to_k", "to_v", "to_out.0")),
     "r8-context": (8, 8.0, ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_out.0")),
     "r16-mlp": (16, 16.0, ("ff.net.0.proj", "ff.net.2", "proj_mlp", "to_v")),
+    # Rank 2, for stacks: with r4-attn and r8-context they fill a rank-16 slot exactly on to_out.0,
+    # the one layer all four change; elsewhere each has its layers to itself or shares them with one.
+    "r2-ff-context": (2, 4.0, ("ff_context.net.0.proj", "ff_context.net.2", "to_out.0")),
+    "r2-single": (2, 4.0, ("proj_mlp", "proj_out", "to_out.0", "to_q")),
 }
 SDXL_ADAPTERS = {
     "r4-attn": (4, 8.0, ("to_q", "to_k", "to_v", "to_out.0")),

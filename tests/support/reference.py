@@ -21,10 +21,7 @@ class DiffusersReference:
               width: int = 64, height: int = 64) -> np.ndarray:  # fmt: skip
         key = (adapter, scale, prompt, seed, steps, guidance, width, height)
         if key not in self._cache:
-            from diffusers import DiffusionPipeline
-
-            pipe = DiffusionPipeline.from_pretrained(self.model_dir)
-            pipe.set_progress_bar_config(disable=True)
+            pipe = self._pipeline()
             kwargs = {}
             if adapter:
                 pipe.load_lora_weights(str(self.adapter_dir / adapter))
@@ -34,11 +31,35 @@ class DiffusersReference:
                     if self.family == "flux"
                     else {"cross_attention_kwargs": attention_kwargs}
                 )
-            if self.family == "flux":
-                kwargs["max_sequence_length"] = 32
-            result = pipe(
-                prompt=prompt, num_inference_steps=steps, guidance_scale=guidance, width=width, height=height,
-                generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **kwargs,
-            )  # fmt: skip
-            self._cache[key] = np.asarray(result.images[0].convert("RGB")).astype(np.int32)
+            self._cache[key] = self._run(pipe, kwargs, prompt, seed, steps, guidance, width, height)
         return self._cache[key]
+
+    def stack_image(self, members: list[tuple[str, float]], *, prompt: str, seed: int, steps: int, guidance: float,
+                    width: int = 64, height: int = 64) -> np.ndarray:  # fmt: skip
+        """Several adapters the way diffusers stacks them: each loaded under its own name, then `set_adapters`."""
+        key = ("stack", tuple(members), prompt, seed, steps, guidance, width, height)
+        if key not in self._cache:
+            pipe = self._pipeline()
+            for name, _ in members:
+                pipe.load_lora_weights(str(self.adapter_dir / name), adapter_name=name)
+            if members:  # none: the base model
+                pipe.set_adapters([name for name, _ in members], adapter_weights=[scale for _, scale in members])
+            self._cache[key] = self._run(pipe, {}, prompt, seed, steps, guidance, width, height)
+        return self._cache[key]
+
+    def _pipeline(self):
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(self.model_dir)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def _run(self, pipe, kwargs: dict, prompt: str, seed: int, steps: int, guidance: float, width: int,
+             height: int) -> np.ndarray:  # fmt: skip
+        if self.family == "flux":
+            kwargs = {**kwargs, "max_sequence_length": 32}
+        result = pipe(
+            prompt=prompt, num_inference_steps=steps, guidance_scale=guidance, width=width, height=height,
+            generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **kwargs,
+        )  # fmt: skip
+        return np.asarray(result.images[0].convert("RGB")).astype(np.int32)

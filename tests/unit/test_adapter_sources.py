@@ -124,7 +124,8 @@ def test_pickle_payload_is_live(tmp_path: Path) -> None:
 )
 def test_local_names_resolve(local_sources: AdapterSources, adapter_dir: Path, name: str, expected: str) -> None:
     found = local_sources.resolve(name)
-    assert found == AdapterFile(name=name, path=adapter_dir / expected, source=str(adapter_dir / expected))
+    # The source callers see is relative to the adapter directory: server paths are not theirs to see.
+    assert found == AdapterFile(name=name, path=adapter_dir / expected, source=expected)
 
 
 @pytest.mark.parametrize(
@@ -142,6 +143,9 @@ def test_local_names_resolve(local_sources: AdapterSources, adapter_dir: Path, n
         ("nested\\deeper\\style", AdapterNameError, "INVALID_ADAPTER_NAME"),
         ("", AdapterNameError, "INVALID_ADAPTER_NAME"),
         ("x" * 513, AdapterNameError, "INVALID_ADAPTER_NAME"),
+        ("x" * 300, AdapterNameError, "INVALID_ADAPTER_NAME"),  # one file name longer than filesystems allow
+        ("nested/" + "x" * 201, AdapterNameError, "INVALID_ADAPTER_NAME"),
+        ("hf:owner/" + "r" * 201, AdapterNameError, "INVALID_ADAPTER_NAME"),
         ("has space", AdapterNameError, "INVALID_ADAPTER_NAME"),
         ("semi;colon", AdapterNameError, "INVALID_ADAPTER_NAME"),
         ("ümlaut", AdapterNameError, "INVALID_ADAPTER_NAME"),
@@ -202,10 +206,24 @@ def test_size_limit(adapter_dir: Path, limit: int, accepted: bool) -> None:
             local.find("big")
 
 
-def test_not_found_names_the_adapter(local_sources: AdapterSources) -> None:
+def test_not_found_names_the_adapter(local_sources: AdapterSources, adapter_dir: Path) -> None:
     with pytest.raises(AdapterNotFoundError) as raised:
         local_sources.resolve("missing")
     assert raised.value.metadata == {"adapter": "missing"}
+    assert str(adapter_dir) not in raised.value.message  # callers never see the server's paths
+
+
+def test_refusals_quote_names_shortened(local_sources: AdapterSources) -> None:
+    name = "a;" * 250  # 500 characters of a bad name
+    with pytest.raises(AdapterNameError) as raised:
+        local_sources.resolve(name)
+    assert "a;a;" in raised.value.message and name not in raised.value.message
+    assert len(raised.value.message) < 500
+
+
+def test_a_name_segment_at_the_limit_is_only_looked_up(local_sources: AdapterSources) -> None:
+    with pytest.raises(AdapterNotFoundError):
+        local_sources.resolve("x" * 200)
 
 
 def test_no_adapter_directory_finds_nothing(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from benchmarks.swap import PATHS, write_lora_file
+from benchmarks.swap import PATHS, STACK_PATHS, write_lora_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"median_s", "min_s", "max_s", "n"}
@@ -64,8 +64,17 @@ def test_swap_benchmark_prints_every_path_and_ratio(tmp_path):
         assert set(direction["paths"]) == set(PATHS) and RATIO_KEYS <= set(direction["ratios"])
     # Swaps alternate: of 2 kept swaps one goes each way.
     assert_summary(mixed["by_direction"]["to_r2-a"]["paths"]["loraswap_warm"], 1)
-    # 4 adapters, then the base model, each followed by a compiled run.
-    assert report["recompilations"] == 0 and report["recompilation_check"]["swaps_checked"] == 5
+    # Two stacks of two rank-2 adapters: each stack holds the bytes of one rank-4 adapter.
+    stack = report["stack"]
+    assert (stack["members"], stack["member_rank"], stack["summed_rank"]) == (2, 2, 4)
+    assert stack["adapter_bytes"] == report["adapter_bytes"]
+    assert set(stack["paths"]) == set(STACK_PATHS) == set(stack["first_swap_s"])
+    for summary in stack["paths"].values():
+        assert_summary(summary, 2)
+    assert set(stack["ratios"]) == {"loraswap_stack_over_floor_copy_stack", "loraswap_stack_over_loraswap_warm"}
+    assert all(isinstance(value, float) and math.isfinite(value) for value in stack["ratios"].values())
+    # 4 adapters and 2 stacks, then the base model, each followed by a compiled run.
+    assert report["recompilations"] == 0 and report["recompilation_check"]["swaps_checked"] == 7
     assert json.loads((tmp_path / "swap.json").read_text()) == report
 
 
@@ -86,6 +95,32 @@ def test_serve_benchmark_prints_latency_and_throughput():
     throughput = report["throughput"]
     assert throughput["requests"] == 6 and throughput["clients"] == 3 and throughput["images_per_s"] > 0
     assert report["recompilations"] == 0
+
+
+SOAK_KEYS = {
+    "completed", "cancelled", "cancelled_queued", "cancelled_running", "deadlined", "failed", "failures", "planned",
+    "churn", "recompilations", "base_image_unchanged", "rss_mb", "rss_growth_last_two_thirds_mb",
+    "rss_growth_goal_mb", "rss_growth_within_goal", "requests", "wall_s", "timed_out",
+}  # fmt: skip
+
+
+def test_soak_benchmark_accounts_for_every_request():
+    report = run_benchmark(
+        "benchmarks.soak", "--requests", "12", "--adapters", "3", "--clients", "3", "--steps", "3",
+        "--cancel-fraction", "0.4", "--deadline-fraction", "0.2", "--compile-backend", "none",
+    )  # fmt: skip
+    assert SOAK_KEYS <= set(report) and report["model"] == "shapes" and report["server_torch_threads"] == 1
+    assert report["requests"] == 12 and not report["timed_out"]
+    assert report["completed"] + report["cancelled"] + report["deadlined"] + report["failed"] == 12
+    assert report["cancelled"] == report["cancelled_queued"] + report["cancelled_running"]
+    assert report["failed"] == 0, report["failures"]
+    assert report["recompilations"] == 0 and report["base_image_unchanged"]
+    assert set(report["rss_mb"]) == {"start", "after_third_1", "after_third_2", "after_third_3"}
+    assert all(value > 0 for value in report["rss_mb"].values())
+    assert report["rss_growth_last_two_thirds_mb"] == pytest.approx(
+        report["rss_mb"]["after_third_3"] - report["rss_mb"]["after_third_1"]
+    )
+    assert report["churn"]["churn_failed"] == 0
 
 
 def test_lora_files_load_as_the_pipeline_expects(tmp_path):

@@ -9,7 +9,9 @@ that delta, so alpha/rank (and any per-layer alpha or rank) is baked into `b`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -270,6 +272,15 @@ def _flux(builder):
     return lambda tmp_path, specs: (builder(tmp_path), specs["tiny-flux"])
 
 
+_Q = "transformer.transformer_blocks.0.attn.to_q"  # a 32 -> 32 layer of tiny-flux
+_KOHYA = "lora_unet_double_blocks_0_img_attn_proj"  # kohya's name for another
+
+
+def _lora_config(**fields) -> str:
+    """diffusers' lora_adapter_metadata JSON for a rank-4 transformer LoRA with `fields` added."""
+    return json.dumps({f"transformer.{key}": value for key, value in {"r": 4, "lora_alpha": 4, **fields}.items()})
+
+
 REFUSALS = [
     pytest.param(
         _flux(lambda t: _flux_file(t, rank=MAX_RANK * 2)),
@@ -372,7 +383,7 @@ REFUSALS = [
     ),
     pytest.param(
         _flux(lambda t: _edited(t, lambda d: d, lora_metadata='{"transformer.r": 4')),
-        AdapterFormatError, "ADAPTER_MALFORMED", id="metadata_not_json",
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_not_json",
     ),
     pytest.param(
         _flux(lambda t: _write_peft_flux(t, LoraConfig(r=4, target_modules=["to_q"], lora_bias=True))),
@@ -393,7 +404,60 @@ REFUSALS = [
     ),
     pytest.param(
         _flux(lambda t: _edited(t, lambda d: d, lora_metadata="[4, 4]")),
-        AdapterFormatError, "ADAPTER_MALFORMED", id="metadata_json_not_an_object",
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_json_not_an_object",
+    ),
+    # Metadata is untrusted: nothing in it may run as a regular expression or reach PEFT unchecked.
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata=_lora_config(alpha_pattern={"([a-z_.0-9]|[a-z_.0-9])*Z": 2}))),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_backtracking_pattern",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata=_lora_config(rank_pattern={"to_q(": 8}))),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_malformed_pattern",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata=_lora_config(alpha_pattern={f"b{i}.to_q": 2 for i in range(2000)}))),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_pattern_flood",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata=_lora_config(alpha_pattern={"to_q": "2"}))),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_pattern_value_not_a_number",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata=_lora_config(lora_alpha=[4]))),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_alpha_not_a_number",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata=_lora_config(use_rslora="yes"))),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_flag_not_a_bool",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata="[" * 100_000 + "]" * 100_000)),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_nested_too_deep",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: d, lora_metadata=_lora_config(notes="x" * (1 << 20)))),
+        AdapterFormatError, "ADAPTER_BAD_METADATA", id="metadata_too_large",
+    ),
+    # Degenerate tensors: each used to end in a ZeroDivisionError or IndexError.
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: {f"{_Q}.lora_A.weight": torch.zeros(0, 32), f"{_Q}.lora_B.weight": torch.zeros(32, 0)})),
+        AdapterFormatError, "ADAPTER_SHAPE_MISMATCH", id="rank_0",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: {f"{_Q}.lora_A.weight": torch.tensor(1.0), f"{_Q}.lora_B.weight": torch.tensor(1.0)})),
+        AdapterFormatError, "ADAPTER_SHAPE_MISMATCH", id="0_dimensional_factors",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: {f"{_KOHYA}.lora_down.weight": torch.zeros(0, 32),
+                                              f"{_KOHYA}.lora_up.weight": torch.zeros(32, 0),
+                                              f"{_KOHYA}.alpha": torch.tensor(4.0)}, keep_metadata=False)),
+        AdapterFormatError, "ADAPTER_SHAPE_MISMATCH", id="rank_0_kohya",
+    ),
+    pytest.param(
+        _flux(lambda t: _edited(t, lambda d: {f"{_KOHYA}.lora_down.weight": torch.tensor(1.0),
+                                              f"{_KOHYA}.lora_up.weight": torch.tensor(1.0)}, keep_metadata=False)),
+        AdapterFormatError, "ADAPTER_SHAPE_MISMATCH", id="0_dimensional_kohya",
     ),
 ]  # fmt: skip
 
@@ -405,3 +469,43 @@ def test_refusals(specs: dict[str, SlotSpec], tmp_path: Path, build, error: type
         _load(path, spec)
     assert type(raised.value) is error
     assert raised.value.reason == reason
+
+
+def test_messages_bound_what_they_echo(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
+    """A 20 KB tensor key is quoted shortened: gRPC would refuse a message that large (RESOURCE_EXHAUSTED)."""
+    huge = "k" * 20_000
+    path = _edited(tmp_path, lambda d: {**d, f"transformer.{huge}.bias": torch.ones(4)})
+    with pytest.raises(AdapterFormatError) as raised:
+        _load(path, specs["tiny-flux"])
+    assert raised.value.reason == "ADAPTER_UNSUPPORTED_TENSORS"
+    assert "kkkk\u2026" in raised.value.message and len(raised.value.message) < 1000
+
+
+@pytest.mark.parametrize("change", ["truncate", "rewrite_in_place"])
+def test_a_canonical_adapter_owns_its_bytes(specs: dict[str, SlotSpec], tmp_path: Path, change: str) -> None:
+    """Nothing stays mapped from the file: changing it after the load changes no canonical tensor (nor crashes)."""
+    path = _flux_file(tmp_path)
+    adapter = _load(path, specs["tiny-flux"])
+    before = {name: (layer.a.clone(), layer.b.clone()) for name, layer in adapter.layers.items()}
+    if change == "truncate":
+        os.truncate(path, 0)
+    else:
+        size = path.stat().st_size
+        with open(path, "r+b") as handle:
+            handle.seek(size // 4)
+            handle.write(b"\xff" * (size - size // 4))  # 0xffffffff is a NaN in float32
+    for name, (a, b) in before.items():
+        assert torch.equal(adapter.layers[name].a, a) and torch.equal(adapter.layers[name].b, b), name
+        assert torch.isfinite(adapter.layers[name].b).all()
+    # Read again, the changed file is validated anew.
+    with pytest.raises(AdapterFormatError):
+        _load(path, specs["tiny-flux"])
+
+
+def test_a_file_that_grew_past_the_limit_since_it_was_found_is_refused(specs: dict[str, SlotSpec], tmp_path: Path):
+    from loraswap.server.engine.errors import AdapterTooLargeError
+
+    path = _flux_file(tmp_path)
+    limit = path.stat().st_size - 1
+    with pytest.raises(AdapterTooLargeError):
+        load_canonical(AdapterFile(name="grown", path=path, source="grown", max_bytes=limit), specs["tiny-flux"])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from loraswap.server import access
 from loraswap.server.engine import errors as engine_errors
 from loraswap.server.engine.errors import EngineError, ErrorReason
 from loraswap.server.transport.errors import STATUS_FOR_ERROR
@@ -21,7 +22,13 @@ PREFIX = "ERROR_REASON_"
 UNSPECIFIED = "ERROR_REASON_UNSPECIFIED"
 SERVER_SRC = Path(__file__).resolve().parents[2] / "server" / "src" / "loraswap" / "server"
 CONTRACT_NAMES = [value.name for value in pb.ErrorReason.DESCRIPTOR.values]
-ENGINE_ERRORS = [cls for _, cls in inspect.getmembers(engine_errors, inspect.isclass) if issubclass(cls, EngineError)]
+# Every error class callers can get: the engine's, and the access errors of --auth-token-file.
+ENGINE_ERRORS = [
+    cls
+    for module in (engine_errors, access)
+    for _, cls in inspect.getmembers(module, inspect.isclass)
+    if issubclass(cls, EngineError) and cls.__module__ == module.__name__
+]
 
 
 def test_every_engine_reason_is_in_the_contract() -> None:

@@ -1,4 +1,5 @@
-"""The one table from engine errors to gRPC status, with exactly one google.rpc.ErrorInfo per error."""
+"""The one table from engine (and access) errors to gRPC status: exactly one google.rpc.ErrorInfo per error,
+google.rpc.RetryInfo where a retry can succeed, google.rpc.BadRequest naming the field at fault."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import grpc
 import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from loraswap.server import access
 from loraswap.server.engine import errors as engine_errors
 from loraswap.server.transport.errors import ERROR_DOMAIN, INTERNAL_ERROR, status_code_for, to_rpc_status
 
@@ -24,6 +26,9 @@ EXPECTED_CODES = {
     engine_errors.NotServingError: grpc.StatusCode.UNAVAILABLE,
     engine_errors.GenerationCancelledError: grpc.StatusCode.CANCELLED,
     engine_errors.GenerationFailedError: grpc.StatusCode.INTERNAL,
+    access.TokenMissingError: grpc.StatusCode.UNAUTHENTICATED,
+    access.TokenInvalidError: grpc.StatusCode.UNAUTHENTICATED,
+    access.AdminRequiredError: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 EXPECTED_REASONS = {
@@ -39,27 +44,41 @@ EXPECTED_REASONS = {
     engine_errors.NotServingError: "NOT_SERVING",
     engine_errors.GenerationCancelledError: "CANCELLED",
     engine_errors.GenerationFailedError: "GENERATION_FAILED",
+    access.TokenMissingError: "TOKEN_MISSING",
+    access.TokenInvalidError: "TOKEN_INVALID",
+    access.AdminRequiredError: "ADMIN_REQUIRED",
 }
 
 ALL_ERRORS = sorted(
-    (
+    {
         cls
-        for _, cls in inspect.getmembers(engine_errors, inspect.isclass)
+        for module in (engine_errors, access)
+        for _, cls in inspect.getmembers(module, inspect.isclass)
         if issubclass(cls, engine_errors.EngineError)
-    ),
+    },
     key=lambda cls: cls.__name__,
 )
 
+DETAIL_KINDS = (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo, error_details_pb2.BadRequest)
 
-def _decode(status: grpc.Status) -> tuple[status_pb2.Status, list[error_details_pb2.ErrorInfo]]:
+
+def _details(status: grpc.Status) -> tuple[status_pb2.Status, dict[type, list]]:
+    """The rich status in the trailers, and its details by kind; any other kind of detail fails the test."""
     (binary,) = [value for key, value in status.trailing_metadata if key == "grpc-status-details-bin"]
     decoded = status_pb2.Status.FromString(binary)
-    infos = []
+    by_kind: dict[type, list] = {kind: [] for kind in DETAIL_KINDS}
     for detail in decoded.details:
-        info = error_details_pb2.ErrorInfo()
-        assert detail.Unpack(info), f"detail {detail.type_url} is not an ErrorInfo"
-        infos.append(info)
-    return decoded, infos
+        (kind,) = [kind for kind in DETAIL_KINDS if detail.Is(kind.DESCRIPTOR)] or [None]
+        assert kind is not None, f"unexpected detail {detail.type_url}"
+        unpacked = kind()
+        detail.Unpack(unpacked)
+        by_kind[kind].append(unpacked)
+    return decoded, by_kind
+
+
+def _decode(status: grpc.Status) -> tuple[status_pb2.Status, list[error_details_pb2.ErrorInfo]]:
+    decoded, by_kind = _details(status)
+    return decoded, by_kind[error_details_pb2.ErrorInfo]
 
 
 def test_every_engine_error_is_in_this_table() -> None:
@@ -122,3 +141,49 @@ def test_reasons_are_upper_snake_case() -> None:
     for error_class in ALL_ERRORS:
         reason = error_class.reason
         assert reason == reason.upper() and reason.replace("_", "").isalnum(), reason
+
+
+RETRY_CASES = [
+    (engine_errors.QueueFullError("full; retry", retry_after_s=2.5), 2.5),
+    (engine_errors.QueueFullError("full; retry"), 1.0),
+    (engine_errors.NotServingError("starting; retry"), 1.0),
+    (engine_errors.NotServingError("going away", reason=engine_errors.ErrorReason.SHUTTING_DOWN), 1.0),
+    (engine_errors.AdapterNotFoundError("no such adapter"), None),
+    (engine_errors.InvalidRequestError("bad width", field="width"), None),
+    (access.TokenMissingError("send a token"), None),
+]
+
+
+@pytest.mark.parametrize(("error", "delay_s"), RETRY_CASES, ids=lambda value: getattr(value, "reason", value))
+def test_retry_info_only_where_a_retry_can_succeed(error, delay_s) -> None:
+    _, by_kind = _details(to_rpc_status(error))
+    retry_infos = by_kind[error_details_pb2.RetryInfo]
+    if delay_s is None:
+        assert retry_infos == []
+    else:
+        (retry_info,) = retry_infos
+        assert retry_info.retry_delay.ToNanoseconds() == round(delay_s * 1e9)
+    assert len(by_kind[error_details_pb2.ErrorInfo]) == 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        engine_errors.InvalidRequestError("width 65 is not a multiple of 16", field="width"),
+        engine_errors.InvalidRequestError("adapter is empty", field="adapter"),
+        engine_errors.AdapterNameError("a name may not hold `..`", field="adapters[1].adapter"),
+    ],
+    ids=lambda error: error.metadata["field"],
+)
+def test_bad_request_names_the_field_at_fault(error) -> None:
+    decoded, by_kind = _details(to_rpc_status(error))
+    (bad_request,) = by_kind[error_details_pb2.BadRequest]
+    (violation,) = bad_request.field_violations
+    assert (violation.field, violation.description) == (error.metadata["field"], error.message)
+    (info,) = by_kind[error_details_pb2.ErrorInfo]
+    assert info.metadata["field"] == error.metadata["field"] and decoded.message == error.message
+
+
+def test_no_bad_request_without_a_field() -> None:
+    _, by_kind = _details(to_rpc_status(engine_errors.AdapterFormatError("truncated file")))
+    assert by_kind[error_details_pb2.BadRequest] == []

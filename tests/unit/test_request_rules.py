@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from loraswap.server.engine.config import DEFAULT_MAX_STACK
 from loraswap.server.engine.errors import InvalidRequestError
 from loraswap.server.engine.request_rules import (
     MAX_ADAPTER_SCALE,
@@ -19,7 +20,7 @@ from loraswap.server.engine.request_rules import (
     MAX_STEPS,
     RequestRules,
 )
-from loraswap.server.engine.types import GenerationRequest, ImageFormat, ModelDefaults
+from loraswap.server.engine.types import GenerationRequest, ImageFormat, ModelDefaults, StackedAdapter
 
 DEFAULTS = ModelDefaults(width=64, height=48, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32)
 RULES = RequestRules(defaults=DEFAULTS, size_multiple=4, min_size=8, max_size=128)
@@ -87,8 +88,9 @@ def test_set_fields_pass_through():
         )
     )  # fmt: skip
     assert dataclasses.astuple(params) == (
-        "a boat", "fog", "style", -2.0, 7, 0.0, 128, 8, 2**64 - 1, ImageFormat.WEBP
+        "a boat", "fog", (("style", -2.0),), 7, 0.0, 128, 8, 2**64 - 1, ImageFormat.WEBP
     )  # fmt: skip
+    assert (params.adapter, params.adapter_scale) == ("style", -2.0)
 
 
 @pytest.mark.parametrize(
@@ -107,6 +109,53 @@ def test_limits_themselves_are_allowed(fields):
 def test_a_strength_without_an_adapter_is_dropped():
     assert RULES.resolve(request(adapter_scale=0.5)).adapter_scale == 1.0
     assert RULES.resolve(request(adapter="a", adapter_scale=0.5)).adapter_scale == 0.5
+
+
+def stack(*entries) -> tuple[StackedAdapter, ...]:
+    return tuple(StackedAdapter(*entry) for entry in entries)
+
+
+# stack requests, the reason and field the error carries, and a piece of its message
+BAD_STACKS = [
+    (dict(adapter="a", adapters=stack(("b",))), "ADAPTER_MISMATCH", "adapter", "both adapter and adapters"),
+    (dict(adapter_scale=0.5, adapters=stack(("b",))), "ADAPTER_MISMATCH", "adapter_scale", "its own scale"),
+    (dict(adapters=stack(*[(f"a{i}",) for i in range(RULES.max_stack + 1)])), "INVALID_REQUEST", "adapters",
+     f"stacks at most {RULES.max_stack} (--max-stack)"),
+    (dict(adapters=stack(("a", 0.5), ("b",), ("a", 1.0))), "INVALID_REQUEST", "adapters", "'a' appears twice"),
+    (dict(adapters=stack(("a",), ("",))), "INVALID_REQUEST", "adapters", "adapters[1].adapter is empty"),
+    (dict(adapters=stack(("a",), ("b", MAX_ADAPTER_SCALE + 1))), "INVALID_REQUEST", "adapters[1].scale",
+     f"use -{MAX_ADAPTER_SCALE} to"),
+    (dict(adapters=stack(("a", float("nan")))), "INVALID_REQUEST", "adapters[0].scale", "adapters[0].scale is nan"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "reason", "field", "hint"), BAD_STACKS)
+def test_bad_stack_is_refused(fields, reason, field, hint):
+    with pytest.raises(InvalidRequestError) as caught:
+        RULES.resolve(request(**fields))
+    assert (str(caught.value.reason), caught.value.metadata["field"]) == (reason, field)
+    assert hint in caught.value.message
+
+
+def test_a_stack_keeps_its_order_and_fills_in_strengths():
+    params = RULES.resolve(request(adapters=stack(("b", -0.5), ("a",), ("c", MAX_ADAPTER_SCALE))))
+    assert params.adapters == stack(("b", -0.5), ("a", 1.0), ("c", MAX_ADAPTER_SCALE))
+    assert (params.adapter, params.adapter_scale) == ("", 1.0)  # a stack is no single adapter
+    full = RULES.resolve(request(adapters=stack(*[(f"a{i}",) for i in range(RULES.max_stack)])))
+    assert len(full.adapters) == RULES.max_stack == DEFAULT_MAX_STACK
+
+
+def test_a_stack_of_one_is_the_single_adapter():
+    single = RULES.resolve(request(adapter="a", adapter_scale=0.7, seed=1))
+    assert RULES.resolve(request(adapters=stack(("a", 0.7)), seed=1)) == single
+    assert (single.adapter, single.adapter_scale, single.adapters) == ("a", 0.7, stack(("a", 0.7)))
+
+
+def test_max_stack_comes_from_the_rules():
+    one = dataclasses.replace(RULES, max_stack=1)
+    assert one.resolve(request(adapters=stack(("a",)))).adapter == "a"
+    with pytest.raises(InvalidRequestError, match="stacks at most 1"):
+        one.resolve(request(adapters=stack(("a",), ("b",))))
 
 
 def test_a_model_that_ignores_negative_prompts_warns_only_when_one_is_sent():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loraswap.server.config import Settings, add_serve_arguments, settings_from_args
+from loraswap.server.config import Settings, SettingsError, add_serve_arguments, settings_from_args
 from loraswap.server.engine.config import DEFAULT_ADAPTER_CACHE_BYTES, DEFAULT_MAX_ADAPTER_BYTES, EngineConfig
 
 
@@ -30,6 +30,7 @@ OPTIONS = [
     ("--adapter-dir", "LORASWAP_ADAPTER_DIR", "/srv/adapters",
      Settings(engine=_engine(adapter_dir=Path("/srv/adapters")))),
     ("--max-rank", "LORASWAP_MAX_RANK", "128", Settings(engine=_engine(max_rank=128))),
+    ("--max-stack", "LORASWAP_MAX_STACK", "2", Settings(engine=_engine(max_stack=2))),
     ("--target-modules", "LORASWAP_TARGET_MODULES", "to_q, to_k,,to_out.0",
      Settings(engine=_engine(target_modules=("to_q", "to_k", "to_out.0")))),
     ("--compile-backend", "LORASWAP_COMPILE_BACKEND", "aot_eager",
@@ -46,6 +47,8 @@ OPTIONS = [
     ("--torch-threads", "LORASWAP_TORCH_THREADS", "2", Settings(engine=_engine(torch_threads=2))),
     ("--grace-seconds", "LORASWAP_GRACE_SECONDS", "2.5", Settings(engine=_engine(), grace_seconds=2.5)),
     ("--log-level", "LORASWAP_LOG_LEVEL", "DEBUG", Settings(engine=_engine(), log_level="DEBUG")),
+    ("--auth-token-file", "LORASWAP_AUTH_TOKEN_FILE", "/etc/loraswap/tokens",
+     Settings(engine=_engine(), auth_token_file=Path("/etc/loraswap/tokens"))),
 ]  # fmt: skip
 
 # on/off switches: --x / --no-x, and LORASWAP_X=true/false
@@ -88,8 +91,47 @@ def test_every_flag_is_covered_here() -> None:
         {flag for flag, *_ in OPTIONS}
         | {f"--{name}" for name, *_ in SWITCHES}
         | {f"--no-{name}" for name, *_ in SWITCHES}
+        | {flag for argv, *_ in TLS_COMBINATIONS for flag in argv if flag.startswith("--")}
     )
     assert flags == covered
+
+
+# The TLS flags only make sense together, so they are tested as combinations: flags, environment, and the
+# Settings they must produce.
+TLS = {"tls_cert": Path("/tls/server.crt"), "tls_key": Path("/tls/server.key")}
+TLS_COMBINATIONS = [
+    (["--tls-cert", "/tls/server.crt", "--tls-key", "/tls/server.key"], {}, Settings(engine=_engine(), **TLS)),
+    (["--tls-cert", "/tls/server.crt", "--tls-key", "/tls/server.key", "--tls-client-ca", "/tls/clients.pem"], {},
+     Settings(engine=_engine(), tls_client_ca=Path("/tls/clients.pem"), **TLS)),
+    ([], {"LORASWAP_TLS_CERT": "/tls/server.crt", "LORASWAP_TLS_KEY": "/tls/server.key",
+          "LORASWAP_TLS_CLIENT_CA": "/tls/clients.pem"},
+     Settings(engine=_engine(), tls_client_ca=Path("/tls/clients.pem"), **TLS)),
+    (["--tls-cert", "/tls/server.crt"], {"LORASWAP_TLS_CERT": "/old.crt", "LORASWAP_TLS_KEY": "/tls/server.key"},
+     Settings(engine=_engine(), **TLS)),
+    ([], {"LORASWAP_TLS_CERT": "", "LORASWAP_TLS_KEY": "", "LORASWAP_TLS_CLIENT_CA": ""}, Settings(engine=_engine())),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "environ", "expected"), TLS_COMBINATIONS)
+def test_tls_flags_and_their_environment_twins(argv: list[str], environ: dict[str, str], expected: Settings) -> None:
+    settings = _settings(argv, environ)
+    assert settings == expected
+    assert settings.serves_tls is (expected.tls_cert is not None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--tls-cert", "/tls/server.crt"], "--tls-key"),
+        (["--tls-key", "/tls/server.key"], "--tls-cert"),
+        (["--tls-client-ca", "/tls/clients.pem"], "--tls-client-ca"),
+        (["--tls-client-ca", "/tls/clients.pem", "--tls-key", "/tls/server.key"], "--tls-cert"),
+    ],
+)
+def test_incomplete_tls_flags_are_refused_in_one_line(argv: list[str], named: str) -> None:
+    with pytest.raises(SettingsError) as refused:
+        _settings(argv)
+    assert named in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(("flag", "env", "text", "expected"), OPTIONS, ids=[o[0] for o in OPTIONS])
@@ -104,7 +146,7 @@ def test_environment_sets_the_default(flag: str, env: str, text: str, expected: 
 
 @pytest.mark.parametrize(("flag", "env", "text", "expected"), OPTIONS, ids=[o[0] for o in OPTIONS])
 def test_flag_overrides_environment(flag: str, env: str, text: str, expected: Settings) -> None:
-    other = {"--port": "7", "--max-rank": "8", "--max-adapter-bytes": "9", "--adapter-cache-bytes": "9",
+    other = {"--port": "7", "--max-rank": "8", "--max-stack": "9", "--max-adapter-bytes": "9", "--adapter-cache-bytes": "9",
              "--max-queue": "9", "--max-bypass": "9", "--layers": "9", "--max-size": "9", "--torch-threads": "9", "--grace-seconds": "9.0"}  # fmt: skip
     assert _settings([flag, text], {env: other.get(flag, "from-environment")}) == expected
 

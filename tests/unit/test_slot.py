@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
-from loraswap.server.engine.adapters.slot import HotswapSlot, RankGatedLinear
+from loraswap.server.engine.adapters.slot import HotswapSlot, RankGatedLinear, check_stack_fits
+from loraswap.server.engine.errors import AdapterIncompatibleError, ErrorReason
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.target_layers import resolve_target_layers
@@ -145,3 +146,131 @@ def test_lora_b_bytes_arrive_exactly_on_the_16_byte_path_and_off_it(dtype):
     for name, layer in mismatched.layers.items():
         lora_b = transformer.get_submodule(name).lora_B["loraswap_slot"].weight
         assert torch.equal(lora_b[:, :8], layer.b.to(dtype))
+
+
+# -- stacks -------------------------------------------------------------------------------------------
+
+
+def _named(adapter: CanonicalAdapter, name: str, layers=None) -> CanonicalAdapter:
+    """`adapter` under another name, on `layers` only (default: all of its layers)."""
+    kept = {layer: adapter.layers[layer] for layer in (layers or adapter.layers)}
+    return CanonicalAdapter(name=name, source=f"test/{name}", layers=kept, warnings=(), load_ms=0.0)
+
+
+def _assert_slot_holds(transformer, members) -> None:
+    """Each member's bytes sit in consecutive rank ranges of its layers, in name order; lora_B times its scale."""
+    offsets: dict[str, int] = {}
+    for adapter, scale in sorted(members, key=lambda member: member[0].name):
+        for name, layer in adapter.layers.items():
+            module = transformer.get_submodule(name)
+            start = offsets.get(name, 0)
+            end = offsets[name] = start + layer.rank
+            slot_a, slot_b = module.lora_A["loraswap_slot"].weight, module.lora_B["loraswap_slot"].weight
+            assert torch.equal(slot_a[start:end], layer.a), (adapter.name, name)
+            assert torch.equal(slot_b[:, start:end], layer.b * scale), (adapter.name, name)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stale_magnitude"),
+    [
+        pytest.param(torch.float32, 3.0, id="float32"),
+        # bfloat16: lora_B rows of rank 8 are copied as 16-byte elements, except where that member starts
+        # after a rank-3 one (6 bytes in), which must fall back to element-wise copies (float32: rank 4 after 11).
+        pytest.param(torch.bfloat16, 3.0, id="bfloat16"),
+        pytest.param(torch.float16, 2000.0, id="float16-overflowing-stale-ranks"),
+    ],
+)
+def test_stacks_then_single_then_base_match_a_fresh_slot_bit_for_bit(dtype, stale_magnitude):
+    transformer, layers, slot = _denoiser_with_slot(dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = {
+        name: (torch.randn(2, 3, transformer.get_submodule(name).in_features, generator=generator) * 4).to(dtype)
+        for name in layers
+    }
+    high = _adapter(transformer, layers, MAX_RANK, stale_magnitude, dtype, seed=1)
+    half = len(layers) // 2
+    # Overlapping on the middle layers only, ranks 3 + 8 + 4 + 1 = 16 where all four meet (placed by name).
+    odd = _named(_adapter(transformer, layers, 3, 0.1, dtype, seed=3), "a-odd", layers[half - 2 :])
+    first = _named(_adapter(transformer, layers, 8, 0.1, dtype, seed=2), "b-eight", layers[: half + 2])
+    fourth = _named(_adapter(transformer, layers, 4, 0.1, dtype, seed=4), "c-four")
+    one = _named(_adapter(transformer, layers, 1, 0.1, dtype, seed=5), "d-one", layers[half - 1 : half + 1])
+    sequence = [
+        ((first, 0.7), (odd, 1.0)),
+        ((odd, -1.5), (first, 1.0), (fourth, 0.5), (one, 2.0)),  # 16 on the middle layers: the limit
+        ((fourth, 1.0), (one, 1.0)),
+        ((first, 0.7),),  # a single adapter after stacks
+        (),  # the base model after stacks
+        ((odd, 1.0), (fourth, 0.5)),
+    ]
+    for members in sequence:
+        slot.load(high, 2.0)  # the stale values every case starts from
+        slot.load_stack(members)
+        fresh_transformer, _, fresh_slot = _denoiser_with_slot(dtype)  # never held anything else
+        fresh_slot.load_stack(members)
+        live, expected = _outputs(transformer, layers, x), _outputs(fresh_transformer, layers, x)
+        for name in layers:
+            assert torch.equal(live[name], expected[name]), ([m[0].name for m in members], name)
+            assert torch.isfinite(live[name]).all(), ([m[0].name for m in members], name)
+        _assert_slot_holds(transformer, members)
+        assert slot.gates_match_resident() and slot.holds(members)
+        assert slot.resident_adapters == tuple(sorted((m[0] for m in members), key=lambda adapter: adapter.name))
+        # Nothing was cleared: the ranks beyond the stack still hold the high-rank adapter's values.
+        assert transformer.get_submodule(layers[-1]).lora_A["loraswap_slot"].weight[12:].abs().max() > 0
+    # Some member's 16-byte lora_B source met a rank range that starts off a 16-byte boundary.
+    assert any(plan.narrowed for plan in slot._plans.values())
+
+
+def test_a_stack_equals_its_members_in_any_order_and_is_no_single_adapter():
+    transformer, layers, slot = _denoiser_with_slot(torch.float32)
+    a = _named(_adapter(transformer, layers, 4, 0.1, torch.float32, seed=1), "a")
+    b = _named(_adapter(transformer, layers, 8, 0.1, torch.float32, seed=2), "b", layers[:5])
+    x = {name: torch.randn(2, transformer.get_submodule(name).in_features) for name in layers}
+    assert slot.load_stack([(b, 0.5), (a, 1.0)]) > 0
+    in_one_order = _outputs(transformer, layers, x)
+    assert slot.holds([(a, 1.0), (b, 0.5)]) and slot.load_stack([(a, 1.0), (b, 0.5)]) == 0.0
+    assert not slot.holds([(a, 1.0), (b, 0.6)]) and not slot.holds([(a, 1.0)]) and not slot.is_resident(a, 1.0)
+    assert slot.resident is None and slot.resident_scale == 1.0  # a stack is not "one resident adapter"
+    slot.load(None)
+    slot.load_stack([(a, 1.0), (b, 0.5)])
+    in_the_other = _outputs(transformer, layers, x)
+    assert all(torch.equal(in_one_order[name], in_the_other[name]) for name in layers)
+    # A one-member stack is the single adapter.
+    slot.load_stack([(a, 0.5)])
+    assert slot.resident is a and slot.resident_scale == 0.5 and slot.is_resident(a, 0.5)
+
+
+def test_a_stack_over_max_rank_is_refused_before_anything_changes():
+    transformer, layers, slot = _denoiser_with_slot(torch.float32)
+    resident = _named(_adapter(transformer, layers, 4, 0.1, torch.float32, seed=1), "resident")
+    big = _named(_adapter(transformer, layers, 12, 0.1, torch.float32, seed=2), "big")
+    small = _named(_adapter(transformer, layers, 8, 0.1, torch.float32, seed=3), "small", [layers[2], layers[7]])
+    slot.load(resident, 0.5)
+    x = {name: torch.randn(2, transformer.get_submodule(name).in_features) for name in layers}
+    before = _outputs(transformer, layers, x)
+    refusals = (lambda: check_stack_fits([big, small], MAX_RANK), lambda: slot.load_stack([(big, 1.0), (small, 1.0)]))
+    for refuse in refusals:
+        with pytest.raises(AdapterIncompatibleError) as caught:
+            refuse()
+        error = caught.value
+        assert error.reason is ErrorReason.STACK_RANK_EXCEEDED
+        # The worst layer (the first of the two at 20, by name), its summed rank and the limit.
+        worst = min(layers[2], layers[7])
+        assert error.metadata == {"layer": worst, "rank": "20", "max_rank": str(MAX_RANK)}
+        assert f"add up to 20 on layer {worst}, above the server's max rank {MAX_RANK}" in error.message
+    after = _outputs(transformer, layers, x)
+    assert all(torch.equal(before[name], after[name]) for name in layers)
+    assert slot.is_resident(resident, 0.5) and slot.gates_match_resident()
+    check_stack_fits([resident, small], MAX_RANK)  # 4 + 8: fits
+
+
+def test_a_stack_layout_builds_its_plan_once():
+    transformer, layers, slot = _denoiser_with_slot(torch.float32)
+    a = _named(_adapter(transformer, layers, 4, 0.1, torch.float32, seed=1), "a")
+    b = _named(_adapter(transformer, layers, 8, 0.1, torch.float32, seed=2), "b")
+    for members in ([(a, 1.0), (b, 1.0)], [(a, 1.0)], [(b, 0.5), (a, 2.0)], [], [(a, 1.0)]):
+        slot.load_stack(members)
+    assert len(slot._plans) == 2  # the stack (a, b) at any strengths, and a alone
+    # Another adapter with a's layout (layers and ranks) and b's reuses the same plans.
+    a2 = _named(_adapter(transformer, layers, 4, 0.2, torch.float32, seed=3), "a2")
+    slot.load_stack([(a2, 1.0), (b, 1.0)])
+    assert len(slot._plans) == 2

@@ -6,16 +6,20 @@
 ...     image.save("lighthouse.png")
 """
 
-from loraswap.client.aio import USE_DEFAULT_TIMEOUT, AsyncLoraswapClient, ImageFormat
+from loraswap.client.aio import USE_DEFAULT_TIMEOUT, AdapterStack, AsyncLoraswapClient, ImageFormat
+from loraswap.client.connection import TlsConfig
 from loraswap.client.errors import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
+    FieldViolation,
     InternalError,
     InvalidRequest,
     LoraswapError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     error_from_rpc,
     error_reason_value,
@@ -29,6 +33,7 @@ from loraswap.client.events import (
     Progress,
     Queued,
     ServerInfo,
+    StackedAdapter,
     Timings,
 )
 from loraswap.client.sync import LoraswapClient
@@ -37,11 +42,13 @@ __all__ = [
     "USE_DEFAULT_TIMEOUT",
     "AdapterInfo",
     "AdapterList",
+    "AdapterStack",
     "AsyncLoraswapClient",
     "Cancelled",
     "DeadlineExceeded",
     "Event",
     "FailedPrecondition",
+    "FieldViolation",
     "GeneratedImage",
     "ImageFormat",
     "InternalError",
@@ -49,12 +56,16 @@ __all__ = [
     "LoraswapClient",
     "LoraswapError",
     "NotFound",
+    "PermissionDenied",
     "PreloadResult",
     "Progress",
     "Queued",
     "ResourceExhausted",
     "ServerInfo",
+    "StackedAdapter",
     "Timings",
+    "TlsConfig",
+    "Unauthenticated",
     "Unavailable",
     "error_from_rpc",
     "error_reason_value",

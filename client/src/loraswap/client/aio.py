@@ -5,20 +5,22 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 import grpc
 
+from loraswap.client.connection import TlsConfig, open_channel
 from loraswap.client.errors import InternalError, InvalidRequest, LoraswapError, error_from_rpc
 from loraswap.client.events import (
     AdapterList,
     Event,
     GeneratedImage,
+    GenerateStreamDecoder,
     PreloadResult,
     Progress,
     ServerInfo,
-    event_from_pb,
+    StackedAdapter,
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
@@ -26,6 +28,7 @@ from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 __all__ = [
     "DEFAULT_TARGET",
     "USE_DEFAULT_TIMEOUT",
+    "AdapterStack",
     "AsyncLoraswapClient",
     "ImageFormat",
     "Timeout",
@@ -44,10 +47,6 @@ _IMAGE_FORMAT_BY_NAME = {
     "webp": pb.IMAGE_FORMAT_WEBP,
 }
 
-# gRPC refuses messages over 4 MiB by default; a lossless 2048x2048 image is
-# larger than that, and the whole image travels in one message.
-_MAX_RECEIVE_MESSAGE_BYTES = 256 * 1024 * 1024
-
 
 class _DefaultTimeout(enum.Enum):
     TOKEN = enum.auto()
@@ -57,6 +56,9 @@ USE_DEFAULT_TIMEOUT = _DefaultTimeout.TOKEN
 """Per-call ``timeout`` marker: use the client's ``default_timeout``. (None means no deadline.)"""
 
 Timeout = float | None | _DefaultTimeout
+
+AdapterStack = Sequence[str | tuple[str, float | None] | StackedAdapter]
+"""Adapters to apply together: names (strength 1.0), ``(name, strength)`` pairs, or :class:`StackedAdapter`."""
 
 _Result = TypeVar("_Result")
 
@@ -73,12 +75,18 @@ def build_generate_request(
     seed: int | None = None,
     negative_prompt: str = "",
     image_format: ImageFormat = "png",
+    adapters: AdapterStack = (),
 ) -> pb.GenerateRequest:
     """Builds a GenerateRequest; arguments left as None stay unset so the server applies its defaults.
 
+    ``adapters`` stacks several adapters, each at its own strength, e.g.
+    ``[("ink", 0.8), ("paper", 0.5)]``; the server refuses it together with
+    ``adapter`` or ``adapter_scale``.
+
     Raises:
         InvalidRequest: an argument cannot be encoded (unknown image format,
-            negative seed, a number out of its field's range).
+            negative seed, a number out of its field's range, an adapters
+            entry that is not a name, a (name, strength) pair or a StackedAdapter).
     """
     encoded_format = _IMAGE_FORMAT_BY_NAME.get(image_format.lower())
     if encoded_format is None:
@@ -93,16 +101,31 @@ def build_generate_request(
         "height": height,
         "seed": seed,
     }
+    if isinstance(adapters, str):
+        raise InvalidRequest(f"adapters must be a list of adapters, not the string {adapters!r}")
     try:
         return pb.GenerateRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
             adapter=adapter,
+            adapters=[_stacked_adapter_pb(entry) for entry in adapters],
             image_format=encoded_format,
             **{name: value for name, value in optional_fields.items() if value is not None},
         )
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"cannot encode the request: {exc}") from exc
+
+
+def _stacked_adapter_pb(entry: str | tuple[str, float | None] | StackedAdapter) -> pb.StackedAdapter:
+    if isinstance(entry, StackedAdapter):
+        name, scale = entry.adapter, entry.scale
+    elif isinstance(entry, str):
+        name, scale = entry, None
+    else:
+        name, scale = entry
+    if scale is None:
+        return pb.StackedAdapter(adapter=name)
+    return pb.StackedAdapter(adapter=name, scale=scale)
 
 
 class AsyncLoraswapClient:
@@ -124,16 +147,27 @@ class AsyncLoraswapClient:
         default_timeout: float | None = 300.0,
         channel: grpc.aio.Channel | None = None,
         wait_for_ready: bool = True,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         """Creates a client for the server at ``target`` ("host:port"), or on ``channel`` if given.
 
-        A channel passed in stays the caller's: :meth:`close` leaves it open.
-        With ``wait_for_ready`` calls wait (up to their deadline) for an
-        unreachable server instead of failing at once with UNAVAILABLE.
+        A channel passed in stays the caller's: :meth:`close` leaves it open,
+        and ``tls`` does not apply to it. With ``wait_for_ready`` calls wait
+        (up to their deadline) for an unreachable server instead of failing
+        at once with UNAVAILABLE. ``token`` is sent with every call as
+        ``authorization: Bearer <token>`` (servers started with
+        --auth-token-file need one); ``tls`` connects with TLS (None:
+        plaintext), e.g. ``TlsConfig.from_files(ca_bundle="ca.pem")``.
+
+        Raises:
+            ValueError: the token has characters call metadata cannot carry.
         """
         self.target = target
         self.default_timeout = default_timeout
         self.wait_for_ready = wait_for_ready
+        self.tls = tls
+        self._call_metadata = _bearer_metadata(token)
         self._channel = channel
         self._owns_channel = channel is None
         self._stub: pb_grpc.DiffusionServiceStub | None = None
@@ -156,9 +190,7 @@ class AsyncLoraswapClient:
             if self._channel is None:
                 # Opened here rather than in __init__ because an aio channel
                 # binds to the event loop that is running when it is made.
-                self._channel = grpc.aio.insecure_channel(
-                    self.target, options=[("grpc.max_receive_message_length", _MAX_RECEIVE_MESSAGE_BYTES)]
-                )
+                self._channel = open_channel(self.target, self.tls)
             self._stub = pb_grpc.DiffusionServiceStub(self._channel)
         return self._stub
 
@@ -178,11 +210,15 @@ class AsyncLoraswapClient:
         seed: int | None = None,
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
+        adapters: AdapterStack = (),
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> AsyncGenerator[Event, None]:
         """Generates one image, yielding ``Queued`` and ``Progress`` events as they arrive, then the ``GeneratedImage``.
 
         Arguments left as None are not sent, so the server's defaults apply.
+        ``adapter`` (with ``adapter_scale``) applies one adapter; ``adapters``
+        stacks several, each at its own strength, e.g.
+        ``adapters=[("ink", 0.8), ("paper", 0.5)]`` (not both).
         Leaving the loop early (``break``) or cancelling the consuming task
         cancels the RPC, which stops the generation on the server; wrap the
         iterator in ``contextlib.aclosing`` to make that happen at the
@@ -202,10 +238,17 @@ class AsyncLoraswapClient:
             seed=seed,
             negative_prompt=negative_prompt,
             image_format=image_format,
+            adapters=adapters,
         )
         deadline = _Deadline(self._deadline(timeout))
         while True:
-            call = self._service().Generate(request, timeout=deadline.remaining(), wait_for_ready=self.wait_for_ready)
+            call = self._service().Generate(
+                request,
+                timeout=deadline.remaining(),
+                wait_for_ready=self.wait_for_ready,
+                metadata=self._call_metadata,
+            )
+            decoder = GenerateStreamDecoder()
             received = False
             try:
                 while True:
@@ -213,10 +256,10 @@ class AsyncLoraswapClient:
                     if response is grpc.aio.EOF:
                         return
                     received = True
-                    event = event_from_pb(response)
+                    event = decoder.decode(response)
                     if event is not None:
                         yield event
-            except grpc.aio.AioRpcError as exc:
+            except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 if received or not await self._wait_while_starting(error, deadline):
                     raise error from exc
@@ -239,6 +282,7 @@ class AsyncLoraswapClient:
         seed: int | None = None,
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
+        adapters: AdapterStack = (),
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> GeneratedImage:
         """Generates one image and returns it, calling ``on_progress`` with each completed step.
@@ -259,6 +303,7 @@ class AsyncLoraswapClient:
             seed=seed,
             negative_prompt=negative_prompt,
             image_format=image_format,
+            adapters=adapters,
             timeout=timeout,
         )
         image: GeneratedImage | None = None
@@ -309,8 +354,13 @@ class AsyncLoraswapClient:
         deadline = _Deadline(self._deadline(timeout))
         while True:
             try:
-                return await method(request, timeout=deadline.remaining(), wait_for_ready=self.wait_for_ready)
-            except grpc.aio.AioRpcError as exc:
+                return await method(
+                    request,
+                    timeout=deadline.remaining(),
+                    wait_for_ready=self.wait_for_ready,
+                    metadata=self._call_metadata,
+                )
+            except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 if not await self._wait_while_starting(error, deadline):
                     raise error from exc
@@ -334,6 +384,14 @@ class AsyncLoraswapClient:
             return False
         await asyncio.sleep(pause)
         return True
+
+
+def _bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    if not token:
+        return None
+    if not all("\x21" <= character <= "\x7e" for character in token):
+        raise ValueError("a token must be visible ASCII characters only (no spaces); check the token")
+    return (("authorization", f"Bearer {token}"),)
 
 
 class _Deadline:

@@ -10,13 +10,15 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from loraswap.client.aio import DEFAULT_TARGET, ImageFormat, missing_image_error
-from loraswap.client.errors import LoraswapError
+from loraswap.client.connection import TlsConfig
+from loraswap.client.errors import InvalidRequest, LoraswapError
 from loraswap.client.events import GeneratedImage, Progress, Queued
 from loraswap.client.sync import LoraswapClient
 
@@ -29,6 +31,9 @@ EXIT_INTERRUPTED = 130
 _FORMAT_BY_SUFFIX: dict[str, ImageFormat] = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 CommandFunc = Callable[[argparse.Namespace], int]
+
+# The environment variable the CLI takes its bearer token from when --token is not given.
+TOKEN_ENV = "LORASWAP_TOKEN"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,6 +57,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="wait, up to the deadline, for a server that is not up yet instead of failing at once",
     )
+    connection.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        metavar="TOKEN",
+        help=f"bearer token for servers run with --auth-token-file (default: ${TOKEN_ENV}, "
+        "which keeps it out of the process list)",
+    )
+    connection.add_argument(
+        "--tls", action="store_true", help="connect with TLS, trusting the system's root certificates"
+    )
+    connection.add_argument(
+        "--tls-ca", type=_pem_file, metavar="PEM", help="connect with TLS, trusting the CA certificates in PEM"
+    )
+    connection.add_argument(
+        "--tls-cert", type=_pem_file, metavar="PEM", help="client certificate for mTLS (with --tls-key; implies TLS)"
+    )
+    connection.add_argument("--tls-key", type=_pem_file, metavar="PEM", help="private key of --tls-cert")
 
     generate = subparsers.add_parser(
         "generate",
@@ -60,9 +82,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate one image, showing progress on stderr; print a JSON summary on stdout.",
     )
     generate.add_argument("prompt", help="the text prompt")
-    generate.add_argument("--adapter", default="", metavar="NAME", help="LoRA adapter to apply (default: base model)")
     generate.add_argument(
-        "--scale", dest="adapter_scale", type=float, metavar="S", help="adapter strength (server default: 1.0)"
+        "--adapter",
+        dest="adapters",
+        action="append",
+        default=[],
+        type=_adapter_argument,
+        metavar="NAME[:SCALE]",
+        help="LoRA adapter to apply, optionally with its strength; repeat it to stack adapters "
+        "(--adapter ink:0.8 --adapter paper:0.5) (default: base model)",
+    )
+    generate.add_argument(
+        "--scale", dest="adapter_scale", type=float, metavar="S", help="strength of a single --adapter (default: 1.0)"
     )
     generate.add_argument("--steps", dest="num_inference_steps", type=int, metavar="N", help="denoising steps")
     generate.add_argument("--guidance", dest="guidance_scale", type=float, metavar="G", help="guidance scale")
@@ -101,6 +132,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.set_defaults(func=run_info)
 
 
+def _adapter_argument(text: str) -> tuple[str, float | None]:
+    """``NAME`` or ``NAME:SCALE``. Hub references hold colons too, so only a number after the last one is a scale."""
+    name, colon, suffix = text.rpartition(":")
+    if colon and name:
+        try:
+            return name, float(suffix)
+        except ValueError:
+            pass
+    return text, None
+
+
+def _adapter_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The generate arguments for the --adapter options: one adapter as ``adapter``, several as a stack."""
+    if len(args.adapters) == 1:
+        name, scale = args.adapters[0]
+        if scale is not None and args.adapter_scale is not None:
+            raise InvalidRequest(f"--adapter {name}:{scale} and --scale both give a strength; use one of them")
+        return {"adapter": name, "adapter_scale": scale if scale is not None else args.adapter_scale}
+    if args.adapter_scale is not None:
+        raise InvalidRequest("--scale applies to a single --adapter; give each stacked adapter its own as NAME:SCALE")
+    return {"adapters": args.adapters}
+
+
 def _reporting_errors(command: CommandFunc) -> CommandFunc:
     """Turns failures into one line on stderr and an exit code instead of a traceback."""
 
@@ -118,11 +172,29 @@ def _reporting_errors(command: CommandFunc) -> CommandFunc:
     return run
 
 
+def _pem_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise InvalidRequest("--tls-cert and --tls-key go together: give both for mTLS, or neither")
+    if not (args.tls or args.tls_ca or args.tls_cert):
+        return None
+    return TlsConfig(ca_bundle=args.tls_ca, client_certificate=args.tls_cert, client_key=args.tls_key)
+
+
 def _connect(args: argparse.Namespace) -> LoraswapClient:
     return LoraswapClient(
         args.server,
         default_timeout=args.timeout if args.timeout > 0 else None,
         wait_for_ready=args.wait,
+        token=args.token,
+        tls=_tls_config(args),
     )
 
 
@@ -174,6 +246,7 @@ def _image_summary(image: GeneratedImage, output: Path) -> dict[str, object]:
         "seed": image.seed,
         "adapter": image.adapter,
         "adapter_scale": image.adapter_scale,
+        "adapters": [dataclasses.asdict(applied) for applied in image.adapters],
         "width": image.width,
         "height": image.height,
         "mime_type": image.mime_type,
@@ -186,14 +259,14 @@ def _image_summary(image: GeneratedImage, output: Path) -> dict[str, object]:
 @_reporting_errors
 def run_generate(args: argparse.Namespace) -> int:
     """``loraswap generate``: streams one generation, writes the image, prints a JSON summary."""
+    adapter_fields = _adapter_fields(args)
     progress_bar = None if args.quiet else ProgressBar(sys.stderr)
     image: GeneratedImage | None = None
     with _connect(args) as client:
         try:
             for event in client.generate(
                 args.prompt,
-                adapter=args.adapter,
-                adapter_scale=args.adapter_scale,
+                **adapter_fields,
                 num_inference_steps=args.num_inference_steps,
                 guidance_scale=args.guidance_scale,
                 width=args.width,

@@ -2,7 +2,10 @@
 
 The server attaches exactly one ``google.rpc.ErrorInfo`` (domain ``loraswap``)
 to every error; its ``reason`` says what went wrong in a stable, matchable
-form and its ``metadata`` carries details such as ``retry_after_s``.
+form and its ``metadata`` carries details such as ``retry_after_s``. Errors
+worth retrying after a pause also carry a ``google.rpc.RetryInfo``
+(``LoraswapError.retry_delay_s``), and errors about one request field a
+``google.rpc.BadRequest`` (``LoraswapError.field_violations``).
 
 The reasons are a closed list, the contract's ``loraswap.v1.ErrorReason`` enum
 (documented value by value in ``diffusion_service.proto``): a reason is the
@@ -14,6 +17,7 @@ and ``LoraswapError.reason_value`` give the enum value for a reason.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -25,11 +29,14 @@ __all__ = [
     "Cancelled",
     "DeadlineExceeded",
     "FailedPrecondition",
+    "FieldViolation",
     "InternalError",
     "InvalidRequest",
     "LoraswapError",
     "NotFound",
+    "PermissionDenied",
     "ResourceExhausted",
+    "Unauthenticated",
     "Unavailable",
     "error_from_rpc",
     "error_reason_value",
@@ -56,6 +63,14 @@ def error_reason_value(reason: str | None) -> pb.ErrorReason.ValueType:
     return _REASON_VALUES.get(reason or "", pb.ERROR_REASON_UNSPECIFIED)
 
 
+@dataclass(frozen=True, slots=True)
+class FieldViolation:
+    """One request field the server refused (a ``google.rpc.BadRequest.FieldViolation``)."""
+
+    field: str
+    description: str
+
+
 class LoraswapError(Exception):
     """A failed call to a loraswap server.
 
@@ -67,6 +82,11 @@ class LoraswapError(Exception):
             none (e.g. a connection failure).
         metadata: The ``ErrorInfo.metadata`` the server attached.
         message: The human-readable message; it says what to change.
+        retry_delay_s: Seconds to wait before retrying, from the server's
+            ``google.rpc.RetryInfo``; None when it sent none (retrying the
+            same call will not help).
+        field_violations: The request fields the server refused, from its
+            ``google.rpc.BadRequest``.
     """
 
     default_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
@@ -78,12 +98,16 @@ class LoraswapError(Exception):
         code: grpc.StatusCode | None = None,
         reason: str | None = None,
         metadata: Mapping[str, str] | None = None,
+        retry_delay_s: float | None = None,
+        field_violations: Iterable[FieldViolation] = (),
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code if code is not None else self.default_code
         self.reason = reason
         self.metadata: dict[str, str] = dict(metadata or {})
+        self.retry_delay_s = retry_delay_s
+        self.field_violations: tuple[FieldViolation, ...] = tuple(field_violations)
 
     @property
     def reason_value(self) -> pb.ErrorReason.ValueType:
@@ -126,7 +150,9 @@ class ResourceExhausted(LoraswapError):
 
     @property
     def retry_after_s(self) -> float | None:
-        """Seconds the server suggests waiting before retrying, if it said."""
+        """Seconds the server suggests waiting before retrying, if it said (RetryInfo, else ErrorInfo metadata)."""
+        if self.retry_delay_s is not None:
+            return self.retry_delay_s
         hint = self.metadata.get("retry_after_s")
         if hint is None:
             return None
@@ -140,6 +166,18 @@ class Unavailable(LoraswapError):
     """The server cannot be reached or is shutting down (UNAVAILABLE)."""
 
     default_code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(LoraswapError):
+    """The server wants a bearer token and got none or an unknown one (UNAUTHENTICATED)."""
+
+    default_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(LoraswapError):
+    """The token is valid but its role may not make this call (PERMISSION_DENIED)."""
+
+    default_code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class DeadlineExceeded(LoraswapError):
@@ -166,6 +204,8 @@ _ERROR_CLASS_BY_CODE: dict[grpc.StatusCode, type[LoraswapError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
 }
@@ -180,13 +220,15 @@ def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> LoraswapError:
     # A bare grpc.RpcError need not be a grpc.Call, so every accessor is optional.
     code = _call_attribute(exc, "code") or grpc.StatusCode.UNKNOWN
     message = _call_attribute(exc, "details") or ""
-    error_info = _error_info_from_metadata(_call_attribute(exc, "trailing_metadata"))
+    details = _status_details_from_metadata(_call_attribute(exc, "trailing_metadata"))
     error_class = _ERROR_CLASS_BY_CODE.get(code, InternalError)
     return error_class(
         message,
         code=code,
-        reason=(error_info.reason or None) if error_info else None,
-        metadata=dict(error_info.metadata) if error_info else None,
+        reason=(details.error_info.reason or None) if details.error_info else None,
+        metadata=dict(details.error_info.metadata) if details.error_info else None,
+        retry_delay_s=details.retry_delay_s,
+        field_violations=details.field_violations,
     )
 
 
@@ -195,14 +237,21 @@ def _call_attribute(exc: grpc.RpcError, name: str):
     return accessor() if callable(accessor) else None
 
 
-def _error_info_from_metadata(
+@dataclass(frozen=True, slots=True)
+class _StatusDetails:
+    error_info: error_details_pb2.ErrorInfo | None = None
+    retry_delay_s: float | None = None
+    field_violations: tuple[FieldViolation, ...] = ()
+
+
+def _status_details_from_metadata(
     trailing_metadata: Iterable[tuple[str, str | bytes]] | None,
-) -> error_details_pb2.ErrorInfo | None:
-    """Finds the ErrorInfo inside the rich status carried in trailing metadata.
+) -> _StatusDetails:
+    """Finds the ErrorInfo, RetryInfo and BadRequest inside the rich status carried in trailing metadata.
 
     Parsed by hand rather than with ``rpc_status.from_call`` because that
     raises when the status message and the call details differ, and a
-    malformed detail should cost the caller the reason, not the error itself.
+    malformed detail should cost the caller the details, not the error itself.
     """
     for key, value in trailing_metadata or ():
         if key != _STATUS_DETAILS_METADATA_KEY or not isinstance(value, bytes):
@@ -210,11 +259,23 @@ def _error_info_from_metadata(
         try:
             status = status_pb2.Status.FromString(value)
         except DecodeError:
-            return None
+            return _StatusDetails()
+        # The first detail of each kind counts; a loraswap server sends at most one of each.
+        found: dict[type, object] = {}
         for detail in status.details:
-            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                error_info = error_details_pb2.ErrorInfo()
-                detail.Unpack(error_info)
-                return error_info
-        return None
-    return None
+            for kind in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo, error_details_pb2.BadRequest):
+                if kind not in found and detail.Is(kind.DESCRIPTOR):
+                    unpacked = kind()
+                    if detail.Unpack(unpacked):
+                        found[kind] = unpacked
+        retry_info = found.get(error_details_pb2.RetryInfo)
+        bad_request = found.get(error_details_pb2.BadRequest)
+        return _StatusDetails(
+            error_info=found.get(error_details_pb2.ErrorInfo),
+            retry_delay_s=retry_info.retry_delay.ToNanoseconds() / 1e9 if retry_info is not None else None,
+            field_violations=tuple(
+                FieldViolation(field=violation.field, description=violation.description)
+                for violation in (bad_request.field_violations if bad_request is not None else ())
+            ),
+        )
+    return _StatusDetails()

@@ -6,6 +6,7 @@ one of these frozen dataclasses, each built by its ``from_pb`` classmethod.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from dataclasses import dataclass, field
@@ -17,11 +18,13 @@ __all__ = [
     "AdapterInfo",
     "AdapterList",
     "Event",
+    "GenerateStreamDecoder",
     "GeneratedImage",
     "PreloadResult",
     "Progress",
     "Queued",
     "ServerInfo",
+    "StackedAdapter",
     "Timings",
     "event_from_pb",
 ]
@@ -90,6 +93,25 @@ def _float32_as_written(value: float) -> float:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class StackedAdapter:
+    """One adapter of a request and its strength: ``generate(..., adapters=[StackedAdapter("ink", 0.8), ...])``.
+
+    In a request, ``scale`` None means 1.0; in a result it is the strength applied.
+    """
+
+    adapter: str
+    scale: float | None = None
+
+    @classmethod
+    def from_pb(cls, message: pb.StackedAdapter) -> StackedAdapter:
+        """Converts a ``loraswap.v1.StackedAdapter`` message (unset ``scale``: None)."""
+        return cls(
+            adapter=message.adapter,
+            scale=_float32_as_written(message.scale) if message.HasField("scale") else None,
+        )
+
+
 _EXTENSION_BY_MIME_TYPE = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp"}
 
 
@@ -107,6 +129,9 @@ class GeneratedImage:
     adapter_scale: float
     timings: Timings
     warnings: tuple[str, ...]
+    # Every adapter applied, with its strength, as the request named them: one for a single
+    # ``adapter``, several for a stack (then ``adapter`` is empty), none for the base model.
+    adapters: tuple[StackedAdapter, ...] = ()
 
     @classmethod
     def from_pb(cls, message: pb.Image) -> GeneratedImage:
@@ -121,6 +146,7 @@ class GeneratedImage:
             adapter_scale=_float32_as_written(message.adapter_scale),
             timings=Timings.from_pb(message.timings),
             warnings=tuple(message.warnings),
+            adapters=tuple(StackedAdapter.from_pb(applied) for applied in message.adapters),
         )
 
     @property
@@ -140,7 +166,11 @@ Event = Queued | Progress | GeneratedImage
 
 
 def event_from_pb(message: pb.GenerateResponse) -> Event | None:
-    """Converts one ``GenerateResponse``; None for an event kind this client does not know."""
+    """Converts one ``GenerateResponse`` on its own; None for an event kind this client does not know.
+
+    An ``image`` event alone holds only the last piece of an image sent in chunks;
+    :class:`GenerateStreamDecoder` joins the pieces.
+    """
     kind = message.WhichOneof("event")
     if kind == "queued":
         return Queued.from_pb(message.queued)
@@ -149,6 +179,30 @@ def event_from_pb(message: pb.GenerateResponse) -> Event | None:
     if kind == "image":
         return GeneratedImage.from_pb(message.image)
     return None
+
+
+class GenerateStreamDecoder:
+    """Turns the messages of one Generate stream into events, joining ``image_chunk`` pieces into the image.
+
+    The contract sends an image too large for one message (over 1 MiB) as
+    ``image_chunk`` events followed by the ``image`` event, whose ``data`` is
+    the last piece; the decoded :class:`GeneratedImage` holds the whole file.
+    """
+
+    def __init__(self) -> None:
+        self._image_pieces: list[bytes] = []
+
+    def decode(self, message: pb.GenerateResponse) -> Event | None:
+        """The event for ``message``; None for an image chunk (kept for the image) or an unknown event kind."""
+        kind = message.WhichOneof("event")
+        if kind == "image_chunk":
+            self._image_pieces.append(message.image_chunk.data)
+            return None
+        event = event_from_pb(message)
+        if kind == "image" and self._image_pieces:
+            pieces, self._image_pieces = self._image_pieces, []
+            return dataclasses.replace(event, data=b"".join([*pieces, message.image.data]))
+        return event
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +297,8 @@ class ServerInfo:
     default_height: int
     default_num_inference_steps: int
     default_guidance_scale: float
+    resident_adapters: tuple[str, ...] = ()  # every adapter in the slot (a stack's members), by name
+    max_stack: int = 0  # most adapters one request may stack; 0 from a server without stacks
 
     @classmethod
     def from_pb(cls, message: pb.GetServerInfoResponse) -> ServerInfo:
@@ -264,4 +320,6 @@ class ServerInfo:
             default_height=message.default_height,
             default_num_inference_steps=message.default_num_inference_steps,
             default_guidance_scale=_float32_as_written(message.default_guidance_scale),
+            resident_adapters=tuple(message.resident_adapters),
+            max_stack=message.max_stack,
         )

@@ -1,4 +1,8 @@
-"""A blocking client for a loraswap server: the asyncio client run on a private event loop."""
+"""A blocking client for a loraswap server: the asyncio client run on a private event loop.
+
+It also runs over a blocking ``grpc.Channel`` the caller made (custom credentials, interceptors,
+options): the async client then sees that channel through a thin bridge with the grpc.aio call shapes.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,18 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+import grpc
+
 from loraswap.client.aio import (
     DEFAULT_TARGET,
     USE_DEFAULT_TIMEOUT,
+    AdapterStack,
     AsyncLoraswapClient,
     ImageFormat,
     Timeout,
     missing_image_error,
 )
+from loraswap.client.connection import TlsConfig
 from loraswap.client.events import AdapterList, Event, GeneratedImage, PreloadResult, Progress, ServerInfo
 
 __all__ = ["LoraswapClient"]
@@ -39,9 +47,24 @@ class LoraswapClient:
         *,
         default_timeout: float | None = 300.0,
         wait_for_ready: bool = True,
+        token: str | None = None,
+        tls: TlsConfig | None = None,
+        channel: grpc.Channel | None = None,
     ) -> None:
-        """Creates a client for the server at ``target`` ("host:port"); see ``AsyncLoraswapClient``."""
-        self._async_client = AsyncLoraswapClient(target, default_timeout=default_timeout, wait_for_ready=wait_for_ready)
+        """Creates a client for the server at ``target`` ("host:port"); see ``AsyncLoraswapClient``.
+
+        ``channel``: a blocking ``grpc.Channel`` to call over instead of one
+        this client opens (``tls`` then does not apply); it stays the
+        caller's, and :meth:`close` leaves it open.
+        """
+        self._async_client = AsyncLoraswapClient(
+            target,
+            default_timeout=default_timeout,
+            wait_for_ready=wait_for_ready,
+            token=token,
+            tls=tls,
+            channel=_BlockingChannelBridge(channel) if channel is not None else None,
+        )
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self._loop.run_forever, name=f"loraswap-client-{target}", daemon=True
@@ -108,11 +131,14 @@ class LoraswapClient:
         seed: int | None = None,
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
+        adapters: AdapterStack = (),
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> Iterator[Event]:
         """Generates one image, yielding ``Queued`` and ``Progress`` events as they arrive, then the ``GeneratedImage``.
 
         Arguments left as None are not sent, so the server's defaults apply.
+        ``adapters`` stacks several adapters, each at its own strength, e.g.
+        ``adapters=[("ink", 0.8), ("paper", 0.5)]`` (not with ``adapter``).
         Leaving the loop early (``break``, an exception, Ctrl-C) cancels the RPC.
 
         Raises:
@@ -135,6 +161,7 @@ class LoraswapClient:
                 seed=seed,
                 negative_prompt=negative_prompt,
                 image_format=image_format,
+                adapters=adapters,
                 timeout=timeout,
             )
             async with contextlib.aclosing(stream):
@@ -167,6 +194,7 @@ class LoraswapClient:
         seed: int | None = None,
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
+        adapters: AdapterStack = (),
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> GeneratedImage:
         """Generates one image and returns it, calling ``on_progress`` (in this thread) with each completed step.
@@ -186,6 +214,7 @@ class LoraswapClient:
             seed=seed,
             negative_prompt=negative_prompt,
             image_format=image_format,
+            adapters=adapters,
             timeout=timeout,
         ):
             if isinstance(event, GeneratedImage):
@@ -211,3 +240,47 @@ class LoraswapClient:
     def server_info(self, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> ServerInfo:
         """Describes the server's resident model, its swap slot and its request defaults."""
         return self._run(self._async_client.server_info(timeout=timeout))
+
+
+class _BlockingChannelBridge:
+    """A blocking ``grpc.Channel`` with the grpc.aio call shapes the async client uses.
+
+    Unary calls become awaitables and streams gain an awaitable ``read()``; each
+    blocking wait runs on a worker thread of the client's loop, and cancelling
+    the awaiting task cancels the RPC.
+    """
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+
+    def unary_unary(self, method: str, **options: Any) -> Callable[..., Coroutine[Any, Any, Any]]:
+        blocking_call = self._channel.unary_unary(method, **options)
+
+        async def call(request: Any, **call_options: Any) -> Any:
+            future = blocking_call.future(request, **call_options)
+            try:
+                return await asyncio.to_thread(future.result)
+            except asyncio.CancelledError:
+                future.cancel()
+                raise
+
+        return call
+
+    def unary_stream(self, method: str, **options: Any) -> Callable[..., _BlockingStream]:
+        blocking_call = self._channel.unary_stream(method, **options)
+        return lambda request, **call_options: _BlockingStream(blocking_call(request, **call_options))
+
+
+class _BlockingStream:
+    """A blocking server stream read like a grpc.aio one: ``await read()`` until ``grpc.aio.EOF``."""
+
+    def __init__(self, responses: Any) -> None:
+        self._responses = responses  # iterator of messages and grpc.Call in one
+
+    async def read(self) -> Any:
+        """The next message, or grpc.aio.EOF after the last; raises the call's grpc.RpcError when it fails."""
+        return await asyncio.to_thread(next, self._responses, grpc.aio.EOF)
+
+    def cancel(self) -> bool:
+        """Cancels the RPC (a waiting ``read`` then raises); False when it had already finished."""
+        return self._responses.cancel()

@@ -1,4 +1,4 @@
-"""Builds and runs the grpc.aio server: servicer, health, reflection, signals, graceful drain."""
+"""Builds and runs the grpc.aio server: servicer, health, reflection, TLS, tokens, signals, graceful drain."""
 
 from __future__ import annotations
 
@@ -11,16 +11,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from loraswap.server.config import Settings
+from loraswap.client.connection import server_keepalive_options
+from loraswap.server.access import AccessTokens
+from loraswap.server.config import Settings, SettingsError
 from loraswap.server.engine.diffusion_engine import DiffusionEngine
-from loraswap.server.transport.servicer import DiffusionServicer
+from loraswap.server.transport.server_credentials import ReloadableServerCredentials
+from loraswap.server.transport.servicer import DiffusionServicer, add_diffusion_service
+from loraswap.server.transport.token_auth import TokenAuthInterceptor
 from loraswap.v1 import diffusion_service_pb2 as pb
-from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DiffusionService"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Requests are small (prompts of a few thousand characters, adapter names); a bigger one is refused with
+# RESOURCE_EXHAUSTED before it is buffered.
+MAX_RECEIVE_MESSAGE_BYTES = 256 * 1024
+# Generate sends images in pieces of at most 1 MiB (transport/convert.py); nothing may exceed the 4 MiB every
+# gRPC client accepts by default, so a response that would (a huge ListAdapters) fails here, not in the client.
+MAX_SEND_MESSAGE_BYTES = 4 * 1024 * 1024
 SHUTDOWN_FLUSH_S = 2.0
 
 
@@ -33,6 +41,20 @@ class RunningServer:
     health: health.aio.HealthServicer
     port: int
     warming: asyncio.Future | None = None  # set when start_server did not wait for SERVING
+    credentials: ReloadableServerCredentials | None = None  # with --tls-cert
+    tokens: AccessTokens | None = None  # with --auth-token-file
+
+    def reload_credentials(self) -> None:
+        """Re-read the TLS files and the token file (on SIGHUP); whatever is unusable keeps its previous contents."""
+        for name, reloadable in (("TLS certificate", self.credentials), ("token file", self.tokens)):
+            if reloadable is None:
+                continue
+            try:
+                reloadable.reload()
+            except SettingsError as error:
+                log.error("kept the previous %s: %s", name, error)
+            else:
+                log.info("reloaded the %s", name)
 
     async def stop(self, grace: float) -> None:
         """Health NOT_SERVING, refuse new work (UNAVAILABLE), let queued and running work finish
@@ -48,26 +70,49 @@ class RunningServer:
         await self.engine.stop(timeout=SHUTDOWN_FLUSH_S)
 
 
-async def start_server(settings: Settings, *, wait_until_serving: bool = True) -> RunningServer:
-    """Listen at once (health NOT_SERVING), then load and warm the model and turn SERVING."""
-    engine = DiffusionEngine(settings.engine)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
+async def start_server(
+    settings: Settings, *, wait_until_serving: bool = True, engine: DiffusionEngine | None = None
+) -> RunningServer:
+    """Listen at once (health NOT_SERVING), then load and warm the model and turn SERVING.
+
+    `engine` serves in place of one built from `settings.engine` (tests pass doubles).
+
+    Raises:
+        SettingsError: a TLS file or the token file is unreadable or unusable.
+    """
+    credentials = (
+        ReloadableServerCredentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        if settings.serves_tls
+        else None
     )
-    pb_grpc.add_DiffusionServiceServicer_to_server(DiffusionServicer(engine), server)
+    tokens = AccessTokens(settings.auth_token_file) if settings.auth_token_file is not None else None
+    engine = engine if engine is not None else DiffusionEngine(settings.engine)
+    server = grpc.aio.server(
+        interceptors=[TokenAuthInterceptor(tokens)] if tokens is not None else None,
+        options=[
+            ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
+            *server_keepalive_options(),
+        ],
+    )
+    add_diffusion_service(DiffusionServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    # With TLS there is no plaintext port at all.
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials.credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not listen on {settings.host}:{settings.port}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    running = RunningServer(server=server, engine=engine, health=health_servicer, port=port)
+    running = RunningServer(
+        server=server, engine=engine, health=health_servicer, port=port, credentials=credentials, tokens=tokens
+    )
 
     async def become_serving() -> None:
         await engine.start()
@@ -89,6 +134,7 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
+    loop.add_signal_handler(signal.SIGHUP, running.reload_credentials)
     print(f"loraswap: listening on port {running.port}, loading {settings.engine.model}", flush=True)
     stopping = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait([running.warming, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
-from loraswap.server.config import add_serve_arguments, settings_from_args
+from loraswap.server.config import SettingsError, add_serve_arguments, settings_from_args
+
+EXIT_BAD_SETTINGS = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,10 +20,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; exit 0 after a graceful drain."""
+    """Serve until SIGTERM/SIGINT; exit 0 after a graceful drain, 2 (one line on stderr) for unusable settings."""
     from loraswap.server.app import serve
 
-    settings = settings_from_args(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(settings))
+    try:
+        settings = settings_from_args(args)
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        asyncio.run(serve(settings))
+    except SettingsError as error:
+        print(f"loraswap serve: {error}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     return 0

@@ -14,15 +14,40 @@ from loraswap.server.engine.models import BUILTINS
 ENV_PREFIX = "LORASWAP_"
 
 
+class SettingsError(ValueError):
+    """Settings the server cannot start with (an incomplete flag combination, a file it names that is unusable).
+
+    The message is one line that says what to change; `loraswap serve` prints it and exits 2.
+    """
+
+
 @dataclass(frozen=True)
 class Settings:
-    """Everything the server needs: where to listen, how long to drain, and the engine's config."""
+    """Everything the server needs: where to listen, how long to drain, who may call, and the engine's config."""
 
     engine: EngineConfig
     host: str = "[::]"
     port: int = 50051
     grace_seconds: float = 30.0
     log_level: str = "INFO"
+    # TLS: certificate chain and private key (PEM), re-read on SIGHUP; with them the server serves TLS only.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # mTLS: the CA bundle (PEM) client certificates must chain to; needs tls_cert and tls_key.
+    tls_client_ca: Path | None = None
+    # `ROLE TOKEN` lines, re-read on SIGHUP; with it every DiffusionService call needs a bearer token.
+    auth_token_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SettingsError("--tls-cert and --tls-key go together: give both to serve TLS, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise SettingsError("--tls-client-ca needs --tls-cert and --tls-key: client certificates need TLS")
+
+    @property
+    def serves_tls(self) -> bool:
+        """Whether the server listens with TLS (and only with TLS)."""
+        return self.tls_cert is not None
 
 
 def _field_name(flag: str) -> str:
@@ -78,6 +103,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     flag("--port", type=int, help="port to listen on; 0 lets the OS pick")
     flag("--adapter-dir", help="directory of adapter files that requests may name")
     flag("--max-rank", type=int, help="highest adapter rank the swap slot takes")
+    flag("--max-stack", type=int, help="most adapters one request may stack (their ranks share --max-rank)")
     flag("--target-modules", help="comma-separated layer-name suffixes the slot covers (default: the family's)")
     switch("--compile", "torch.compile the denoiser (default: on for CUDA, off on CPU)")
     flag("--compile-backend", help="torch.compile backend (inductor, aot_eager, eager)")
@@ -93,6 +119,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     flag("--torch-threads", type=int, help="torch CPU threads (default: the cores this process may use)")
     flag("--grace-seconds", type=float, help="how long running work may finish on SIGTERM")
     flag("--log-level", help="logging level")
+    flag("--tls-cert", help="PEM certificate chain: serve TLS only (needs --tls-key; re-read on SIGHUP)")
+    flag("--tls-key", help="PEM private key of --tls-cert (re-read on SIGHUP)")
+    flag("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mTLS)")
+    flag("--auth-token-file", help="file of `ROLE TOKEN` lines (roles: generate, admin): require bearer tokens")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -105,6 +135,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             device=args.device,
             dtype=args.dtype,
             max_rank=args.max_rank,
+            max_stack=args.max_stack,
             target_modules=targets,
             compile=args.compile,
             compile_backend=args.compile_backend,
@@ -122,4 +153,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         port=args.port,
         grace_seconds=args.grace_seconds,
         log_level=args.log_level,
+        tls_cert=_optional_path(args.tls_cert),
+        tls_key=_optional_path(args.tls_key),
+        tls_client_ca=_optional_path(args.tls_client_ca),
+        auth_token_file=_optional_path(args.auth_token_file),
     )
+
+
+def _optional_path(value: str | None) -> Path | None:
+    # An empty LORASWAP_* variable means "not set", as an absent one does.
+    return Path(value) if value else None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MAX_RANK = 64
+DEFAULT_MAX_STACK = 4
 DEFAULT_ADAPTER_CACHE_BYTES = 8 * 1024**3
 DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 
@@ -19,6 +20,7 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     max_rank: int = DEFAULT_MAX_RANK
+    max_stack: int = DEFAULT_MAX_STACK  # most adapters one request may stack
     target_modules: tuple[str, ...] | None = None  # None: the family's defaults
     compile: bool | None = None  # None: compile on cuda only
     compile_backend: str = "inductor"

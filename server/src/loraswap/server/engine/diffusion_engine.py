@@ -1,8 +1,9 @@
 """The engine's face to any front end: plain domain types in, async iterators of events out.
 
 Nothing here runs torch on the caller's event loop: the pipeline lives on the
-scheduler's worker thread and adapter files are read and converted on a
-loader thread.
+scheduler's worker thread and adapter files are read and converted on loader
+threads, a few at once, so that one slow or huge adapter does not hold up the
+loads of others.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loraswap.server.engine.adapters.cache import AdapterCache, CacheEntry
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, load_canonical
-from loraswap.server.engine.adapters.sources import AdapterSources, HubAdapterSource, LocalAdapterDirectory
+from loraswap.server.engine.adapters.slot import StackMember, check_stack_fits
+from loraswap.server.engine.adapters.sources import (
+    AdapterSources,
+    HubAdapterSource,
+    LocalAdapterDirectory,
+    check_name,
+)
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.errors import EngineError, ErrorReason, NotServingError
+from loraswap.server.engine.errors import EngineError, ErrorReason, InvalidRequestError, NotServingError
 from loraswap.server.engine.models import BUILTINS
 from loraswap.server.engine.runtime import DiffusionRuntime
 from loraswap.server.engine.scheduler import GenerationJob, GenerationScheduler
@@ -25,10 +32,15 @@ from loraswap.server.engine.types import (
     AdapterSummary,
     GeneratedImage,
     GenerationEvent,
+    GenerationParams,
     GenerationRequest,
     PreloadResult,
     ServerDescription,
 )
+
+# Adapter loads that may run at once, so that a slow or huge one does not hold up the others. Each holds its file
+# (at most --max-adapter-bytes) in memory a few times over while it decodes it: this also bounds what cold loads take.
+ADAPTER_LOAD_THREADS = 4
 
 
 class DiffusionEngine:
@@ -40,7 +52,7 @@ class DiffusionEngine:
             LocalAdapterDirectory(config.adapter_dir or _shipped_adapter_dir(config.model), config.max_adapter_bytes),
             HubAdapterSource(config.allow_hub, config.max_adapter_bytes),
         )
-        self._loader_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraswap-loader")
+        self._loader_pool = ThreadPoolExecutor(max_workers=ADAPTER_LOAD_THREADS, thread_name_prefix="loraswap-loader")
         self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool)
         self._scheduler = GenerationScheduler(lambda: DiffusionRuntime(config), config.max_queue, config.max_bypass)
         self._runtime: DiffusionRuntime | None = None
@@ -95,14 +107,7 @@ class DiffusionEngine:
         runtime = self._require_runtime()
         rules = runtime.request_rules
         params = rules.resolve(request)
-        adapter: CanonicalAdapter | None = None
-        load_ms = 0.0
-        warnings: tuple[str, ...] = ()
-        if params.adapter:
-            entry, load_ms = await self._cached(params.adapter)
-            adapter = entry.adapter
-            warnings += adapter.warnings
-            self._cache.record_use(params.adapter)
+        stack, load_ms, warnings = await self._stack(params)
         warnings += rules.warnings(params)
 
         loop = asyncio.get_running_loop()
@@ -114,7 +119,7 @@ class DiffusionEngine:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        job = GenerationJob(params=params, adapter=adapter, emit=emit, adapter_load_ms=load_ms, warnings=warnings)
+        job = GenerationJob(params=params, stack=stack, emit=emit, adapter_load_ms=load_ms, warnings=warnings)
         self._scheduler.submit(job)
         try:
             while True:
@@ -128,6 +133,38 @@ class DiffusionEngine:
                 yield event
         finally:
             self._scheduler.cancel(job)
+
+    async def _stack(self, params: GenerationParams) -> tuple[tuple[StackMember, ...], float, tuple[str, ...]]:
+        """The request's adapters from the cache (loaded if need be) with their strengths, the load ms, warnings.
+
+        Refuses, before anything is queued, two names for one file and a stack whose ranks exceed
+        the slot on some layer (STACK_RANK_EXCEEDED).
+        """
+        stack: list[StackMember] = []
+        load_ms = 0.0
+        warnings: tuple[str, ...] = ()
+        names_by_source: dict[str, str] = {}
+        # A stack's uncached members load side by side on the loader threads.
+        entries = await asyncio.gather(*(self._cached(applied.adapter) for applied in params.adapters))
+        for applied, (entry, entry_load_ms) in zip(params.adapters, entries):
+            adapter = entry.adapter
+            if adapter.source in names_by_source:
+                raise InvalidRequestError(
+                    f"adapters {names_by_source[adapter.source]!r} and {applied.adapter!r} are the same file "
+                    f"({adapter.source}); list each adapter once",
+                    field="adapters",
+                )
+            names_by_source[adapter.source] = applied.adapter
+            stack.append((adapter, applied.scale))
+            load_ms += entry_load_ms
+            # In a stack, each warning says which member it is about.
+            prefix = f"{applied.adapter}: " if len(params.adapters) > 1 else ""
+            warnings += tuple(prefix + warning for warning in adapter.warnings)
+        if len(stack) > 1:
+            check_stack_fits((adapter for adapter, _ in stack), self.config.max_rank)
+        for applied in params.adapters:
+            self._cache.record_use(applied.adapter)
+        return tuple(stack), load_ms, warnings
 
     # -- adapters -------------------------------------------------------------------------------------
 
@@ -150,6 +187,7 @@ class DiffusionEngine:
 
     def evict(self, name: str) -> int:
         """Drop an adapter from the cache; returns the bytes freed."""
+        check_name(name)
         return self._cache.evict(name)
 
     def list_adapters(self) -> AdapterCacheSummary:
@@ -162,7 +200,9 @@ class DiffusionEngine:
 
     def _summary(self, name: str, entry: CacheEntry) -> AdapterSummary:
         adapter = entry.adapter
-        resident = self._runtime is not None and self._runtime.slot.resident is adapter
+        resident = self._runtime is not None and any(
+            adapter is member for member in self._runtime.slot.resident_adapters
+        )
         return AdapterSummary(
             id=name,
             rank=adapter.rank,
@@ -183,6 +223,7 @@ class DiffusionEngine:
         runtime = self._require_runtime()
         rules = runtime.request_rules
         resident = runtime.slot.resident
+        resident_adapters = runtime.slot.resident_adapters
         return ServerDescription(
             model=self.config.model,
             family=runtime.family,
@@ -200,6 +241,8 @@ class DiffusionEngine:
             default_height=rules.defaults.height,
             default_num_inference_steps=rules.defaults.num_inference_steps,
             default_guidance_scale=rules.defaults.guidance_scale,
+            resident_adapters=tuple(adapter.name for adapter in resident_adapters),
+            max_stack=rules.max_stack,
         )
 
     def _require_runtime(self) -> DiffusionRuntime:

@@ -10,6 +10,17 @@ from __future__ import annotations
 
 import enum
 
+# gRPC carries the message and the ErrorInfo in headers that clients cap at 16 KiB in all (beyond it the
+# caller sees RESOURCE_EXHAUSTED instead of the real status), so no echoed input may grow them unbounded.
+MAX_ECHO_CHARS = 200
+MAX_MESSAGE_CHARS = 2000
+
+
+def shorten(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """`value` as text of at most `limit` characters, cut with an ellipsis: for quoting input back to callers."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
 
 class ErrorReason(str, enum.Enum):
     """Every reason the engine gives callers; the only place reasons are spelled.
@@ -42,6 +53,13 @@ class ErrorReason(str, enum.Enum):
     CANCELLED = "CANCELLED"
     GENERATION_FAILED = "GENERATION_FAILED"
     INTERNAL = "INTERNAL"
+    ADAPTER_MISMATCH = "ADAPTER_MISMATCH"
+    STACK_RANK_EXCEEDED = "STACK_RANK_EXCEEDED"
+    ADAPTER_BAD_METADATA = "ADAPTER_BAD_METADATA"
+    GENERATION_NOT_FINITE = "GENERATION_NOT_FINITE"
+    TOKEN_MISSING = "TOKEN_MISSING"
+    TOKEN_INVALID = "TOKEN_INVALID"
+    ADMIN_REQUIRED = "ADMIN_REQUIRED"
 
     def __str__(self) -> str:
         # The wire string, on every Python version (3.10 would print "ErrorReason.NAME").
@@ -58,11 +76,13 @@ class EngineError(Exception):
     reason: ErrorReason = ErrorReason.INTERNAL
 
     def __init__(self, message: str, *, reason: ErrorReason | str | None = None, **metadata: object) -> None:
+        # Bounded here as well as where input is quoted, so no message or metadata value can overflow gRPC's headers.
+        message = shorten(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
         if reason is not None:
             self.reason = ErrorReason(reason)
-        self.metadata = {key: str(value) for key, value in metadata.items()}
+        self.metadata = {key: shorten(value) for key, value in metadata.items()}
 
 
 class InvalidRequestError(EngineError):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from loraswap.server.engine.errors import InvalidRequestError
-from loraswap.server.engine.types import GenerationParams, GenerationRequest, ModelDefaults
+from loraswap.server.engine.config import DEFAULT_MAX_STACK
+from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
+from loraswap.server.engine.types import GenerationParams, GenerationRequest, ModelDefaults, StackedAdapter
 
 MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
@@ -30,6 +31,7 @@ class RequestRules:
     max_size: int  # largest width or height
     # Why the model ignores negative prompts (the warning a request sending one gets); None: it reads them.
     ignored_negative_prompt: str | None = None
+    max_stack: int = DEFAULT_MAX_STACK  # most entries `adapters` may have
 
     def resolve(self, request: GenerationRequest) -> GenerationParams:
         """Validate a request against this model and fill in its defaults.
@@ -52,11 +54,8 @@ class RequestRules:
         guidance = defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale
         if not 0.0 <= guidance <= MAX_GUIDANCE:
             raise InvalidRequestError(f"guidance_scale is {guidance}; use 0 to {MAX_GUIDANCE}", field="guidance_scale")
-        scale = 1.0 if request.adapter_scale is None else float(request.adapter_scale)
-        if not -MAX_ADAPTER_SCALE <= scale <= MAX_ADAPTER_SCALE:
-            raise InvalidRequestError(
-                f"adapter_scale is {scale}; use -{MAX_ADAPTER_SCALE} to {MAX_ADAPTER_SCALE}", field="adapter_scale"
-            )
+        scale = _check_scale("adapter_scale", request.adapter_scale)
+        adapters = self._adapters(request, scale)
         width = self._check_size("width", request.width, defaults.width)
         height = self._check_size("height", request.height, defaults.height)
         seed = secrets.randbits(63) if request.seed is None else request.seed
@@ -65,8 +64,7 @@ class RequestRules:
         return GenerationParams(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt,
-            adapter=request.adapter,
-            adapter_scale=scale if request.adapter else 1.0,
+            adapters=adapters,
             num_inference_steps=steps,
             guidance_scale=guidance,
             width=width,
@@ -81,6 +79,40 @@ class RequestRules:
             return (self.ignored_negative_prompt,)
         return ()
 
+    def _adapters(self, request: GenerationRequest, scale: float) -> tuple[StackedAdapter, ...]:
+        """The adapters to apply with their strengths: the single `adapter`, or the `adapters` stack."""
+        if not request.adapters:
+            return (StackedAdapter(request.adapter, scale),) if request.adapter else ()
+        if request.adapter or request.adapter_scale is not None:
+            field = "adapter" if request.adapter else "adapter_scale"
+            raise InvalidRequestError(
+                f"the request sets both {field} and adapters; name one adapter with adapter (and adapter_scale), "
+                "or several with adapters, each with its own scale",
+                reason=ErrorReason.ADAPTER_MISMATCH,
+                field=field,
+            )
+        if len(request.adapters) > self.max_stack:
+            raise InvalidRequestError(
+                f"adapters has {len(request.adapters)} entries; this server stacks at most {self.max_stack} "
+                "(--max-stack)",
+                field="adapters",
+            )
+        stack, seen = [], set()
+        for index, entry in enumerate(request.adapters):
+            if not entry.adapter:
+                raise InvalidRequestError(
+                    f"adapters[{index}].adapter is empty; name an adapter in every entry", field="adapters"
+                )
+            if entry.adapter in seen:
+                raise InvalidRequestError(
+                    f"adapter {entry.adapter!r} appears twice in adapters; list each adapter once, with the "
+                    "strength it should have",
+                    field="adapters",
+                )
+            seen.add(entry.adapter)
+            stack.append(StackedAdapter(entry.adapter, _check_scale(f"adapters[{index}].scale", entry.scale)))
+        return tuple(stack)
+
     def _check_size(self, field: str, value: int | None, default: int) -> int:
         if value is None:
             return default
@@ -94,3 +126,11 @@ class RequestRules:
                 multiple=multiple,
             )
         return value
+
+
+def _check_scale(field: str, value: float | None) -> float:
+    """An adapter strength (None: 1.0) within +-MAX_ADAPTER_SCALE."""
+    scale = 1.0 if value is None else float(value)
+    if not -MAX_ADAPTER_SCALE <= scale <= MAX_ADAPTER_SCALE:
+        raise InvalidRequestError(f"{field} is {scale}; use -{MAX_ADAPTER_SCALE} to {MAX_ADAPTER_SCALE}", field=field)
+    return scale

@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec
-from loraswap.server.engine.adapters.slot import HotswapSlot
+from loraswap.server.engine.adapters.canonical import SlotSpec
+from loraswap.server.engine.adapters.slot import HotswapSlot, StackMember
 from loraswap.server.engine.compile import CountingBackend, compile_counting, conv_backend
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.errors import GenerationCancelledError
+from loraswap.server.engine.errors import ErrorReason, GenerationCancelledError, InvalidRequestError
 from loraswap.server.engine.families import family_of
 from loraswap.server.engine.models import default_dtype, generation_defaults, load_pipeline
 from loraswap.server.engine.request_rules import RequestRules
@@ -84,6 +84,7 @@ class DiffusionRuntime:
             size_multiple=self.traits.size_multiple(self.pipe),
             min_size=self.traits.min_size(self.pipe),
             max_size=config.max_size,
+            max_stack=config.max_stack,
             ignored_negative_prompt=self.traits.ignored_negative_prompt(self.defaults),
         )
         self.pipe.set_progress_bar_config(disable=True)
@@ -116,7 +117,7 @@ class DiffusionRuntime:
         )
         for request in requests:
             self.generate(
-                self.request_rules.resolve(request), None, on_step=lambda progress: None, is_cancelled=lambda: False
+                self.request_rules.resolve(request), (), on_step=lambda progress: None, is_cancelled=lambda: False
             )
 
     # -- facts --------------------------------------------------------------------------------------
@@ -137,17 +138,18 @@ class DiffusionRuntime:
     def generate(
         self,
         params: GenerationParams,
-        adapter: CanonicalAdapter | None,
+        stack: tuple[StackMember, ...],
         *,
         on_step: Callable[[StepProgress], None],
         is_cancelled: Callable[[], bool],
         timings: Timings | None = None,
         warnings: tuple[str, ...] = (),
     ) -> GeneratedImage:
-        """Swap `adapter` in, run the pipeline streaming each step through on_step, encode the image.
+        """Swap `stack` in, run the pipeline streaming each step through on_step, encode the image.
 
-        `params` come from `request_rules.resolve`. Raises GenerationCancelledError at the first
-        step boundary after is_cancelled() turns true, before the VAE decode.
+        `stack` holds the adapters and their strengths (() for the base model); `params` come from
+        `request_rules.resolve`. Raises GenerationCancelledError at the first step boundary after
+        is_cancelled() turns true, before the VAE decode.
         """
         timings = timings or Timings()
         conv_guard = conv_backend(
@@ -155,7 +157,7 @@ class DiffusionRuntime:
             dtype=self.dtype,
         )  # fmt: skip
         with torch.inference_mode(), conv_guard:
-            swap_ms = self.slot.load(adapter, params.adapter_scale)
+            swap_ms = self.slot.load_stack(stack)
             started = time.perf_counter()
             last_step_at = started
 
@@ -165,6 +167,10 @@ class DiffusionRuntime:
                 on_step(StepProgress(index + 1, params.num_inference_steps, (last_step_at - started) * 1000.0))
                 if is_cancelled():
                     raise GenerationCancelledError("the caller cancelled; generation stopped at a step boundary")
+                # One reduction per step: a non-finite latent would decode to a NaN image returned as OK.
+                latents = callback_kwargs.get("latents")
+                if latents is not None and not bool(torch.isfinite(latents).all()):
+                    raise _not_finite_error(stack, index + 1)
                 return callback_kwargs
 
             result = self.pipe(**self._pipeline_kwargs(params), callback_on_step_end=step_end)
@@ -179,6 +185,7 @@ class DiffusionRuntime:
             seed=params.seed,
             adapter=params.adapter,
             adapter_scale=params.adapter_scale,
+            adapters=params.adapters,
             timings=Timings(
                 queue_ms=timings.queue_ms,
                 adapter_load_ms=timings.adapter_load_ms,
@@ -204,3 +211,22 @@ class DiffusionRuntime:
         if self.defaults.max_sequence_length is not None:
             kwargs["max_sequence_length"] = self.defaults.max_sequence_length
         return kwargs
+
+
+def _not_finite_error(stack: tuple[StackMember, ...], step: int) -> InvalidRequestError:
+    """What to tell a caller whose generation overflowed: the adapter values are finite, their effect is not."""
+    if not stack:
+        return InvalidRequestError(
+            f"the generation's latents stopped being finite at step {step}; the model overflows at these settings, "
+            "try another guidance_scale, size or prompt",
+            reason=ErrorReason.GENERATION_NOT_FINITE,
+            field="guidance_scale",
+            step=step,
+        )
+    return InvalidRequestError(
+        f"the generation's latents stopped being finite at step {step}: the adapter's effect overflows the model; "
+        "lower adapter_scale (or the stack's scales) or use another adapter",
+        reason=ErrorReason.GENERATION_NOT_FINITE,
+        field="adapter_scale" if len(stack) == 1 else "adapters",
+        step=step,
+    )

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter
+from loraswap.server.engine.adapters.slot import StackMember, stack_order
 from loraswap.server.engine.errors import EngineError, GenerationFailedError, NotServingError, QueueFullError
 from loraswap.server.engine.runtime import DiffusionRuntime
 from loraswap.server.engine.types import GenerationParams, Queued, Timings
@@ -29,7 +30,7 @@ class GenerationJob:
     """One accepted request on its way through the queue and the worker."""
 
     params: GenerationParams
-    adapter: CanonicalAdapter | None
+    stack: tuple[StackMember, ...]  # the adapters to apply and their strengths, in stack_order; () for the base
     emit: Callable[[object], None]  # receives Queued / StepProgress / GeneratedImage / EngineError
     adapter_load_ms: float = 0.0
     warnings: tuple[str, ...] = ()
@@ -39,13 +40,23 @@ class GenerationJob:
     times_bypassed: int = 0
     abort_error: EngineError | None = None  # sent instead of CANCELLED when the server aborts the job
 
+    def __post_init__(self) -> None:
+        self.stack = stack_order(self.stack)
+
+    def uses(self, resident: tuple[CanonicalAdapter, ...]) -> bool:
+        """True when the job needs exactly the resident adapters (strengths aside): it runs without a swap."""
+        return len(self.stack) == len(resident) and all(
+            adapter is other for (adapter, _), other in zip(self.stack, resident)
+        )
+
 
 class GenerationScheduler:
     """Bounded queue in front of the single worker thread that builds and runs the runtime.
 
     Order: oldest first, except that a waiting job using the adapter already
     resident in the swap slot may go ahead (no swap needed), as long as no job
-    is passed over more than `max_bypass` times (0: plain FIFO).
+    is passed over more than `max_bypass` times (0: plain FIFO). A stack is one
+    resident state: a job for the same members, in any order, may go ahead too.
     """
 
     def __init__(
@@ -131,13 +142,13 @@ class GenerationScheduler:
                 job.position = index
                 job.emit(Queued(position=index))
 
-    def _pick(self, resident: object) -> int:
+    def _pick(self, resident: tuple[CanonicalAdapter, ...]) -> int:
         """Index of the job to run next: see the class docstring."""
         head = self._waiting[0]
-        if head.adapter is resident or head.times_bypassed >= self.max_bypass:
+        if head.uses(resident) or head.times_bypassed >= self.max_bypass:
             return 0
         for index, job in enumerate(self._waiting[1:], start=1):
-            if job.adapter is resident:
+            if job.uses(resident):
                 for passed in self._waiting[:index]:
                     passed.times_bypassed += 1
                 return index
@@ -149,7 +160,7 @@ class GenerationScheduler:
                 self._cond.wait()
             if not self._waiting:
                 return None
-            job = self._waiting.pop(self._pick(runtime.slot.resident))
+            job = self._waiting.pop(self._pick(runtime.slot.resident_adapters))
             self._running = job
             self._publish_positions()
             return job
@@ -172,12 +183,12 @@ class GenerationScheduler:
 
     def _run(self, runtime: DiffusionRuntime, job: GenerationJob) -> None:
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
-        if not runtime.slot.is_resident(job.adapter, job.params.adapter_scale):
+        if not runtime.slot.holds(job.stack):
             self.swaps += 1
         try:
             image = runtime.generate(
                 job.params,
-                job.adapter,
+                job.stack,
                 on_step=job.emit,
                 is_cancelled=job.cancelled.is_set,
                 timings=Timings(queue_ms=queue_ms, adapter_load_ms=job.adapter_load_ms),

@@ -66,6 +66,14 @@ class ModelDefaults:
 
 
 @dataclass(frozen=True)
+class StackedAdapter:
+    """One adapter of a request and its strength (None in a request: 1.0)."""
+
+    adapter: str
+    scale: float | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """What a caller asked for; None means "use the model's default"."""
 
@@ -73,6 +81,7 @@ class GenerationRequest:
     negative_prompt: str = ""
     adapter: str = ""
     adapter_scale: float | None = None
+    adapters: tuple[StackedAdapter, ...] = ()  # a stack; not with `adapter` / `adapter_scale`
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     width: int | None = None
@@ -87,14 +96,25 @@ class GenerationParams:
 
     prompt: str
     negative_prompt: str
-    adapter: str
-    adapter_scale: float
+    # Every adapter to apply, in the request's order, each with its strength: one for a
+    # single adapter, none for the base model.
+    adapters: tuple[StackedAdapter, ...]
     num_inference_steps: int
     guidance_scale: float
     width: int
     height: int
     seed: int
     image_format: ImageFormat
+
+    @property
+    def adapter(self) -> str:
+        """The adapter when exactly one is applied; empty for the base model and for a stack."""
+        return self.adapters[0].adapter if len(self.adapters) == 1 else ""
+
+    @property
+    def adapter_scale(self) -> float:
+        """The strength when exactly one adapter is applied; 1.0 otherwise."""
+        return self.adapters[0].scale if len(self.adapters) == 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +158,7 @@ class GeneratedImage:
     adapter_scale: float
     timings: Timings
     warnings: tuple[str, ...] = ()
+    adapters: tuple[StackedAdapter, ...] = ()  # every adapter applied, as in GenerationParams
 
 
 GenerationEvent = Queued | StepProgress | GeneratedImage
@@ -197,3 +218,5 @@ class ServerDescription:
     default_num_inference_steps: int
     default_guidance_scale: float
     warnings: tuple[str, ...] = field(default=())
+    resident_adapters: tuple[str, ...] = ()  # every adapter in the slot (a stack's members), by name
+    max_stack: int = 1

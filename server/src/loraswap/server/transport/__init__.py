@@ -1,1 +1,1 @@
-"""The only grpc-aware server code: servicer, proto <-> domain conversion, error table."""
+"""The only grpc-aware server code: servicer, proto <-> domain conversion, error table, token interceptor, TLS."""

@@ -13,6 +13,7 @@ from loraswap.server.engine.types import (
     PreloadResult,
     Queued,
     ServerDescription,
+    StackedAdapter,
     StepProgress,
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
@@ -24,6 +25,12 @@ _IMAGE_FORMAT_FROM_PB = {
     pb.IMAGE_FORMAT_WEBP: ImageFormat.WEBP,
 }
 _FAMILY_TO_PB = {ModelFamily.FLUX: pb.MODEL_FAMILY_FLUX, ModelFamily.SDXL: pb.MODEL_FAMILY_SDXL}
+
+# The contract's bound on every message of a Generate stream: a quarter of the 4 MiB that every gRPC stack
+# (Go, Java, C++, Node, grpcurl, Python) accepts by default, so an image of any size reaches any client.
+MAX_GENERATE_RESPONSE_BYTES = 1024 * 1024
+# One image_chunk's bytes: the bound less room for the message's own framing (tags and lengths, a few bytes).
+IMAGE_CHUNK_BYTES = MAX_GENERATE_RESPONSE_BYTES - 1024
 
 
 def _optional(message, field: str):
@@ -45,6 +52,7 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
         negative_prompt=request.negative_prompt,
         adapter=request.adapter,
         adapter_scale=_optional(request, "adapter_scale"),
+        adapters=tuple(StackedAdapter(entry.adapter, _optional(entry, "scale")) for entry in request.adapters),
         num_inference_steps=_optional(request, "num_inference_steps"),
         guidance_scale=_optional(request, "guidance_scale"),
         width=_optional(request, "width"),
@@ -55,7 +63,7 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
 
 
 def generation_event_to_pb(event: GenerationEvent) -> pb.GenerateResponse:
-    """A domain event -> one GenerateResponse."""
+    """A domain event -> one GenerateResponse (an image whole, however large; streams use generate_responses)."""
     if isinstance(event, Queued):
         return pb.GenerateResponse(queued=pb.Queued(position=event.position))
     if isinstance(event, StepProgress):
@@ -65,6 +73,29 @@ def generation_event_to_pb(event: GenerationEvent) -> pb.GenerateResponse:
     if isinstance(event, GeneratedImage):
         return pb.GenerateResponse(image=image_to_pb(event))
     raise TypeError(f"not a generation event: {event!r}")
+
+
+def generate_responses(event: GenerationEvent) -> list[pb.GenerateResponse]:
+    """A domain event -> the GenerateResponse messages that carry it, none over MAX_GENERATE_RESPONSE_BYTES.
+
+    Everything but an image is one message. An image too large for one is sent as the contract says: its
+    bytes in order as `image_chunk` events of IMAGE_CHUNK_BYTES, then the `image` event with the metadata
+    and the last piece (or nothing, when the last piece and the metadata do not fit together).
+    """
+    if not isinstance(event, GeneratedImage):
+        return [generation_event_to_pb(event)]
+    image = image_to_pb(event)
+    if pb.GenerateResponse(image=image).ByteSize() <= MAX_GENERATE_RESPONSE_BYTES:
+        return [pb.GenerateResponse(image=image)]
+    data = image.data
+    pieces = [data[start : start + IMAGE_CHUNK_BYTES] for start in range(0, len(data), IMAGE_CHUNK_BYTES)]
+    image.data = pieces.pop()
+    if pb.GenerateResponse(image=image).ByteSize() > MAX_GENERATE_RESPONSE_BYTES:
+        pieces.append(image.data)
+        image.data = b""
+    return [pb.GenerateResponse(image_chunk=pb.ImageChunk(data=piece)) for piece in pieces] + [
+        pb.GenerateResponse(image=image)
+    ]
 
 
 def image_to_pb(image: GeneratedImage) -> pb.Image:
@@ -86,6 +117,7 @@ def image_to_pb(image: GeneratedImage) -> pb.Image:
             total_ms=timings.total_ms,
         ),
         warnings=list(image.warnings),
+        adapters=[pb.StackedAdapter(adapter=applied.adapter, scale=applied.scale) for applied in image.adapters],
     )
 
 
@@ -134,4 +166,6 @@ def server_description_to_pb(info: ServerDescription) -> pb.GetServerInfoRespons
         default_height=info.default_height,
         default_num_inference_steps=info.default_num_inference_steps,
         default_guidance_scale=info.default_guidance_scale,
+        resident_adapters=list(info.resident_adapters),
+        max_stack=info.max_stack,
     )

@@ -1,13 +1,19 @@
-"""The one table from domain errors to gRPC status codes, with a google.rpc.ErrorInfo per error."""
+"""The one table from domain errors to gRPC status codes, with a google.rpc.ErrorInfo per error.
+
+Beside the ErrorInfo, a status carries google.rpc.RetryInfo for errors worth retrying after a pause and
+google.rpc.BadRequest for errors about one request field (those raised with a `field` metadata key).
+"""
 
 from __future__ import annotations
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from loraswap.server import access
 from loraswap.server.engine import errors as engine_errors
+from loraswap.server.engine.errors import ErrorReason
 
 ERROR_DOMAIN = "loraswap"
 
@@ -23,6 +29,17 @@ STATUS_FOR_ERROR: dict[type[engine_errors.EngineError], grpc.StatusCode] = {
     engine_errors.NotServingError: grpc.StatusCode.UNAVAILABLE,
     engine_errors.GenerationCancelledError: grpc.StatusCode.CANCELLED,
     engine_errors.GenerationFailedError: grpc.StatusCode.INTERNAL,
+    access.TokenMissingError: grpc.StatusCode.UNAUTHENTICATED,
+    access.TokenInvalidError: grpc.StatusCode.UNAUTHENTICATED,
+    access.AdminRequiredError: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+# How long to wait before retrying, for the reasons where a retry can succeed; an error's own
+# `retry_after_s` metadata wins. Shutting down: long enough for a load balancer to drop the replica.
+RETRY_DELAY_S_FOR_REASON: dict[ErrorReason, float] = {
+    ErrorReason.QUEUE_FULL: 1.0,
+    ErrorReason.NOT_SERVING: 1.0,
+    ErrorReason.SHUTTING_DOWN: 1.0,
 }
 
 
@@ -34,13 +51,39 @@ def status_code_for(error: engine_errors.EngineError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def to_rpc_status(error: engine_errors.EngineError) -> grpc.Status:
-    """A grpc.Status carrying the message and exactly one ErrorInfo detail."""
-    code = status_code_for(error)
-    info = error_details_pb2.ErrorInfo(reason=str(error.reason), domain=ERROR_DOMAIN, metadata=error.metadata)
+def retry_delay_s(error: engine_errors.EngineError) -> float | None:
+    """Seconds the caller should wait before retrying, or None when retrying the same call cannot help."""
+    default = RETRY_DELAY_S_FOR_REASON.get(error.reason)
+    if default is None:
+        return None
+    try:
+        return max(0.0, float(error.metadata["retry_after_s"]))
+    except (KeyError, ValueError):
+        return default
+
+
+def _packed(message) -> any_pb2.Any:
     detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=error.message, details=[detail])
+    detail.Pack(message)
+    return detail
+
+
+def to_rpc_status(error: engine_errors.EngineError) -> grpc.Status:
+    """A grpc.Status carrying the message, exactly one ErrorInfo, and RetryInfo / BadRequest where they apply."""
+    code = status_code_for(error)
+    details = [
+        _packed(error_details_pb2.ErrorInfo(reason=str(error.reason), domain=ERROR_DOMAIN, metadata=error.metadata))
+    ]
+    delay_s = retry_delay_s(error)
+    if delay_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(round(delay_s * 1e9))
+        details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
+    field = error.metadata.get("field")
+    if field:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=error.message)
+        details.append(_packed(error_details_pb2.BadRequest(field_violations=[violation])))
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=error.message, details=details)
     return rpc_status.to_status(status)
 
 

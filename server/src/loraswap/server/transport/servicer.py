@@ -6,9 +6,11 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from loraswap.server.engine.diffusion_engine import DiffusionEngine
 from loraswap.server.engine.errors import EngineError, InvalidRequestError
@@ -18,6 +20,60 @@ from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+DIFFUSION_SERVICE = pb.DESCRIPTOR.services_by_name["DiffusionService"]
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """What a handler receives in place of a request whose bytes are not its message (see add_diffusion_service)."""
+
+    message_name: str
+    problem: str
+
+    def error(self) -> InvalidRequestError:
+        """The INVALID_ARGUMENT error that answers it."""
+        return InvalidRequestError(
+            f"the request is not a valid {self.message_name} ({self.problem}); send a serialized "
+            f"{self.message_name}, with every string field in UTF-8"
+        )
+
+
+def _tolerant_deserializer(message_class: type[Message]) -> Callable[[bytes], Message | UndecodableRequest]:
+    def deserialize(data: bytes) -> Message | UndecodableRequest:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            # protobuf says "Error parsing message with type 'X': <what>"; the <what> is the useful part.
+            problem = str(error).rpartition(": ")[2] or "malformed bytes"
+            return UndecodableRequest(message_class.DESCRIPTOR.full_name, problem[:200])
+
+    return deserialize
+
+
+def add_diffusion_service(servicer: DiffusionServicer, server: grpc.aio.Server) -> None:
+    """Register DiffusionService on `server`, as the generated add_DiffusionServiceServicer_to_server does, except
+    that a request whose bytes do not decode (a string that is not UTF-8, a corrupt message) reaches its handler
+    as an UndecodableRequest and is answered INVALID_ARGUMENT, where gRPC itself would fail the call as UNKNOWN."""
+    handlers = {}
+    for method in DIFFUSION_SERVICE.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        make_handler = (
+            grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_tolerant_deserializer(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(DIFFUSION_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(DIFFUSION_SERVICE.full_name, handlers)
+
+
+def _refuse_undecodable(request: object) -> None:
+    if isinstance(request, UndecodableRequest):
+        raise request.error()
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: EngineError) -> None:
@@ -50,19 +106,19 @@ def _errors_mapped(method):
 
         @functools.wraps(method)
         async def streamed(self, request, context: grpc.aio.ServicerContext):
-            # aclosing: when gRPC closes the stream early, the handler's cleanup runs now, not at GC.
-            async with (
-                _statuses_from_errors(context, method.__name__),
-                contextlib.aclosing(method(self, request, context)) as responses,
-            ):
-                async for response in responses:
-                    yield response
+            async with _statuses_from_errors(context, method.__name__):
+                _refuse_undecodable(request)
+                # aclosing: when gRPC closes the stream early, the handler's cleanup runs now, not at GC.
+                async with contextlib.aclosing(method(self, request, context)) as responses:
+                    async for response in responses:
+                        yield response
 
         return streamed
 
     @functools.wraps(method)
     async def unary(self, request, context: grpc.aio.ServicerContext):
         async with _statuses_from_errors(context, method.__name__):
+            _refuse_undecodable(request)
             return await method(self, request, context)
 
     return unary
@@ -87,7 +143,8 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
         generation = convert.generation_request_from_pb(request)
         async with contextlib.aclosing(self.engine.generate(generation)) as events:
             async for event in events:
-                yield convert.generation_event_to_pb(event)
+                for response in convert.generate_responses(event):
+                    yield response
 
     @_errors_mapped
     async def PreloadAdapter(

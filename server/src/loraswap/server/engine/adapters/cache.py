@@ -3,6 +3,11 @@
 Loading is single-flight: concurrent requests for the same uncached adapter
 share one load. Evicting only drops the cache's reference, so a generation
 that already holds the adapter keeps using it until it ends.
+
+An entry owns its bytes: they were read from the file once, validated, and are
+never read from the file again. A file changed or removed on disk does not
+touch the cached adapter; it is served as validated until it leaves the cache
+(Evict, or the byte budget), and the next use reads and validates the file anew.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter
-from loraswap.server.engine.errors import AdapterNotFoundError, AdapterTooLargeError
+from loraswap.server.engine.errors import AdapterNotFoundError, AdapterTooLargeError, shorten
 
 
 @dataclass
@@ -62,7 +67,7 @@ class AdapterCache:
             adapter = self._loader(name)
             if self.budget_bytes and adapter.nbytes > self.budget_bytes:
                 raise AdapterTooLargeError(
-                    f"adapter {name!r} takes {adapter.nbytes} bytes in canonical form, more than the whole "
+                    f"adapter {shorten(name)!r} takes {adapter.nbytes} bytes in canonical form, more than the whole "
                     f"adapter cache ({self.budget_bytes} bytes, --adapter-cache-bytes)",
                     adapter_bytes=adapter.nbytes,
                     budget_bytes=self.budget_bytes,
@@ -101,7 +106,7 @@ class AdapterCache:
             entry = self._entries.pop(name, None)
         if entry is None:
             raise AdapterNotFoundError(
-                f"adapter {name!r} is not in the cache; ListAdapters shows what is cached", adapter=name
+                f"adapter {shorten(name)!r} is not in the cache; ListAdapters shows what is cached", adapter=name
             )
         return entry.adapter.nbytes
 

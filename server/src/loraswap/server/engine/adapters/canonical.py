@@ -18,21 +18,34 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from loraswap.server.engine.adapters.sources import AdapterFile
-from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, ErrorReason
+from loraswap.server.engine.errors import (
+    AdapterFormatError,
+    AdapterIncompatibleError,
+    AdapterTooLargeError,
+    ErrorReason,
+    shorten,
+)
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.request_rules import MAX_ADAPTER_SCALE
 from loraswap.server.engine.types import ModelFamily
 
 # diffusers stores the LoraConfig of each component in this safetensors metadata key.
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
+# Metadata is untrusted input: honest LoraConfig JSON is a few kilobytes with at most one pattern per layer.
+MAX_METADATA_CHARS = 1 << 20
+MAX_PATTERN_ENTRIES = 1024
+MAX_PATTERN_CHARS = 256
+# PEFT runs rank_pattern/alpha_pattern keys as regular expressions; only literal module names (where '.' is the
+# one metacharacter, and it cannot backtrack) are let through, so no file can make matching take unbounded time.
+_LITERAL_PATTERN = re.compile(r"\^?[A-Za-z0-9_.]+")
 
 
 @dataclass(frozen=True)
@@ -90,25 +103,86 @@ class CanonicalAdapter:
         )
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    from safetensors import SafetensorError, safe_open
-
+def _read_bytes(adapter_file: AdapterFile) -> bytes:
+    """The whole file, read once (never mapped) and held to the size limit even if it grew since it was found."""
+    limit = adapter_file.max_bytes
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            header = handle.metadata() or {}
-            state_dict = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        with open(adapter_file.path, "rb") as handle:
+            data = handle.read(limit + 1) if limit else handle.read()
+    except OSError as exc:
         raise AdapterFormatError(
-            f"{path.name} is not a readable safetensors file ({exc}); re-export or re-download the adapter"
+            f"adapter {shorten(adapter_file.name)!r} cannot be read ({exc.strerror or type(exc).__name__}); "
+            "check the file and its permissions"
         ) from exc
+    if limit and len(data) > limit:
+        raise AdapterTooLargeError(
+            f"adapter {shorten(adapter_file.name)!r} is over the server's limit of {limit} bytes "
+            "(--max-adapter-bytes); use a smaller rank or fewer layers",
+            max_bytes=limit,
+        )
+    return data
+
+
+def _read_safetensors(adapter_file: AdapterFile) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Tensors and LoraConfig metadata of an adapter file.
+
+    Every tensor owns a copy of its bytes: nothing stays mapped from the file (safe_open would mmap it), so a
+    file truncated or rewritten after it was cached can neither crash the server (SIGBUS on a mapped page) nor
+    change the validated weights the cache holds.
+    """
+    from safetensors.torch import load
+
+    data = _read_bytes(adapter_file)
+    label = shorten(adapter_file.name)
+    try:
+        state_dict = load(data)
+        header_length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_length]).get("__metadata__") or {}
+    # Decoding untrusted bytes: whatever safetensors or torch raise means the same thing, an unreadable file.
+    except Exception as exc:
+        raise AdapterFormatError(
+            f"adapter {label!r} is not a readable safetensors file ({shorten(exc)}); "
+            "re-export or re-download the adapter"
+        ) from exc
+    del data
     raw = header.get(LORA_ADAPTER_METADATA_KEY)
+    if raw and len(raw) > MAX_METADATA_CHARS:
+        raise AdapterFormatError(
+            f"adapter {label!r} has {len(raw)} characters of '{LORA_ADAPTER_METADATA_KEY}' metadata, more than the "
+            f"{MAX_METADATA_CHARS} accepted; save the adapter with its LoraConfig only",
+            reason=ErrorReason.ADAPTER_BAD_METADATA,
+        )
     try:
         metadata = json.loads(raw) if raw else None
-    except json.JSONDecodeError as exc:
-        raise AdapterFormatError(f"{path.name} has malformed '{LORA_ADAPTER_METADATA_KEY}' metadata") from exc
+    except (ValueError, RecursionError) as exc:  # not JSON, nested too deep, a number too long to convert
+        raise AdapterFormatError(
+            f"adapter {label!r} has malformed '{LORA_ADAPTER_METADATA_KEY}' metadata ({shorten(exc)}); "
+            "re-save it with diffusers",
+            reason=ErrorReason.ADAPTER_BAD_METADATA,
+        ) from exc
     if metadata is not None and not isinstance(metadata, dict):
-        raise AdapterFormatError(f"{path.name} has '{LORA_ADAPTER_METADATA_KEY}' metadata that is not a JSON object")
+        raise AdapterFormatError(
+            f"adapter {label!r} has '{LORA_ADAPTER_METADATA_KEY}' metadata that is not a JSON object",
+            reason=ErrorReason.ADAPTER_BAD_METADATA,
+        )
     return state_dict, metadata
+
+
+def _check_tensors(state_dict: dict[str, torch.Tensor]) -> None:
+    """Refuse degenerate tensors before any converter divides by a rank or indexes a shape."""
+    for key, tensor in state_dict.items():
+        if tensor.ndim == 0 and not key.endswith("alpha"):
+            raise AdapterFormatError(
+                f"tensor {shorten(key)} is a 0-dimensional scalar; LoRA factors are matrices (rank x in, out x rank) "
+                "and only alpha values may be scalars",
+                reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
+            )
+        if tensor.numel() == 0:
+            raise AdapterFormatError(
+                f"tensor {shorten(key)} is empty (shape {tuple(tensor.shape)}); every LoRA factor needs a rank of at "
+                "least 1",
+                reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
+            )
 
 
 def _to_diffusers_keys(
@@ -117,10 +191,11 @@ def _to_diffusers_keys(
     """Run diffusers' format converters (kohya, A1111, xlabs, ...) for the family."""
     try:
         converted, alphas = FAMILIES[spec.family].lora_state_dict(state_dict, spec.denoiser_config)
-    # diffusers' converters signal unexpected layouts with asserts and attribute errors too.
-    except (ValueError, KeyError, TypeError, RuntimeError, IndexError, AttributeError, AssertionError) as exc:
+    # The converters are pure functions of untrusted tensors and signal layouts they do not know in every way
+    # (asserts, attribute errors, divisions by zero): any failure means the same, no layout they read.
+    except Exception as exc:
         raise AdapterFormatError(
-            f"the adapter's keys are in no layout diffusers can read for {spec.family.value} ({exc})"
+            f"the adapter's keys are in no layout diffusers can read for {spec.family.value} ({shorten(exc)})"
         ) from exc
     return converted, alphas
 
@@ -139,34 +214,116 @@ def _split_by_component(
     return own, [f"{component} ({count} tensors)" for component, count in sorted(dropped.items())]
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _checked_patterns(name: str, patterns: object, value_ok: Callable[[object], bool], reason: ErrorReason) -> None:
+    """Refuse a pattern dict PEFT would run unbounded or choke on: too many keys, a non-literal key, a bad value."""
+    if not isinstance(patterns, dict):
+        raise AdapterFormatError(
+            f"the adapter's {name} is a {type(patterns).__name__}; it must map module names to values",
+            reason=reason,
+        )
+    if len(patterns) > MAX_PATTERN_ENTRIES:
+        raise AdapterFormatError(
+            f"the adapter's {name} has {len(patterns)} entries; at most {MAX_PATTERN_ENTRIES} are accepted",
+            reason=reason,
+        )
+    for key, value in patterns.items():
+        if len(key) > MAX_PATTERN_CHARS or not _LITERAL_PATTERN.fullmatch(key):
+            raise AdapterFormatError(
+                f"the adapter's {name} has the key {shorten(key, 80)!r}; keys must be module names (letters, digits, "
+                f"'_' and '.', at most {MAX_PATTERN_CHARS} characters), never regular expressions",
+                reason=reason,
+            )
+        if not value_ok(value):
+            raise AdapterFormatError(
+                f"the adapter's {name} gives {shorten(key, 80)!r} the value {shorten(value, 40)!r}; "
+                "use a number (a positive integer for ranks)",
+                reason=reason,
+            )
+
+
+# The LoraConfig fields that decide what a loaded adapter computes, with what each must be. The rest (dropout,
+# init options, training settings, ...) never reach PEFT, so nothing in them can fail or run there.
+_LORA_CONFIG_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "r": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
+    "lora_alpha": (_is_number, "a number"),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _lora_config_fields(metadata: dict) -> dict:
+    """The fields of a LoraConfig from file metadata that matter here, each checked, before PEFT sees any."""
+    fields = {}
+    for key, (is_valid, expected) in _LORA_CONFIG_FIELDS.items():
+        if key in metadata and metadata[key] is not None:
+            if not is_valid(metadata[key]):
+                raise AdapterFormatError(
+                    f"the adapter's LoRA setting {key} is {shorten(metadata[key], 40)!r}; it must be {expected}",
+                    reason=ErrorReason.ADAPTER_BAD_METADATA,
+                )
+            fields[key] = metadata[key]
+    for key, value_ok in (
+        ("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        ("alpha_pattern", _is_number),
+    ):
+        if metadata.get(key) is not None:
+            _checked_patterns(key, metadata[key], value_ok, ErrorReason.ADAPTER_BAD_METADATA)
+            fields[key] = metadata[key]
+    return fields
+
+
+def _pattern_lookup(patterns: Mapping[str, object]) -> Callable[[str], str | None]:
+    """PEFT's get_pattern_key (the first key whose pattern ends the module name) with each pattern compiled once.
+
+    get_pattern_key compiles per call, and past re's cache of 512 patterns that is a compile per module and key.
+    """
+    compiled = [(key, re.compile(rf"(.*\.)?({key})$")) for key in patterns]
+
+    def lookup(module: str) -> str | None:
+        return next((key for key, pattern in compiled if pattern.match(module)), None)
+
+    return lookup
+
+
 def _layer_scalings(
     state_dict: dict[str, torch.Tensor], alphas: dict[str, float] | None, metadata: dict | None, prefix: str
 ) -> dict[str, float]:
     """Per-module alpha/rank exactly as diffusers' load_lora_adapter configures PEFT."""
     from diffusers.utils.peft_utils import _create_lora_config
-    from peft.utils.other import get_pattern_key
 
     ranks = {f"^{key}": value.shape[1] for key, value in state_dict.items() if "lora_B" in key and value.ndim > 1}
     if alphas:
         alphas = {k.removeprefix(f"{prefix}."): v for k, v in alphas.items() if k.startswith(f"{prefix}.")}
     if metadata:
         metadata = {k.removeprefix(f"{prefix}."): v for k, v in metadata.items() if k.startswith(f"{prefix}.")}
+        metadata = _lora_config_fields(metadata) if metadata else None
     try:
-        config = _create_lora_config(state_dict, alphas or None, metadata or None, ranks)
-    except (TypeError, ValueError, IndexError, KeyError) as exc:
-        raise AdapterFormatError(f"the adapter's LoRA configuration is not valid ({exc})") from exc
+        config = _create_lora_config(state_dict, alphas or None, metadata, ranks)
+    # Checked fields only reach PEFT; anything it still refuses is an invalid configuration, not a server fault.
+    except Exception as exc:
+        raise AdapterFormatError(f"the adapter's LoRA configuration is not valid ({shorten(exc)})") from exc
     if getattr(config, "use_dora", False):
         raise AdapterIncompatibleError("DoRA adapters cannot be swapped in place; use a plain LoRA")
+    # Without metadata, diffusers derives alpha_pattern keys from the file's alpha tensor names: check those too.
+    _checked_patterns(
+        "alpha_pattern", config.alpha_pattern, _is_number,
+        ErrorReason.ADAPTER_BAD_METADATA if metadata is not None else ErrorReason.ADAPTER_MALFORMED,
+    )  # fmt: skip
+    alpha_key_of = _pattern_lookup(config.alpha_pattern)
     scalings = {}
     for key, value in state_dict.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key.removesuffix(".lora_A.weight")
         rank = value.shape[0]
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+        alpha = config.alpha_pattern.get(alpha_key_of(module), config.lora_alpha)
         if not math.isfinite(alpha):
             raise AdapterFormatError(
-                f"layer {module} has LoRA alpha {alpha}; alpha must be a finite number",
+                f"layer {shorten(module)} has LoRA alpha {alpha}; alpha must be a finite number",
                 reason=ErrorReason.ADAPTER_NOT_FINITE,
             )
         scalings[module] = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
@@ -180,7 +337,8 @@ def _check_factor_pairs(state_dict: dict[str, torch.Tensor]) -> None:
     unpaired = sorted(modules_a ^ modules_b)
     if unpaired:
         raise AdapterFormatError(
-            f"{len(unpaired)} layer(s) have only one of lora_A/lora_B (e.g. {unpaired[0]}); the file is incomplete"
+            f"{len(unpaired)} layer(s) have only one of lora_A/lora_B (e.g. {shorten(unpaired[0])}); "
+            "the file is incomplete"
         )
     if not modules_a:
         raise AdapterFormatError("the adapter holds no LoRA factor pairs (lora_A/lora_B) for the denoiser")
@@ -189,7 +347,7 @@ def _check_factor_pairs(state_dict: dict[str, torch.Tensor]) -> None:
 def _check_dtype(key: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point():
         raise AdapterFormatError(
-            f"tensor {key} has dtype {tensor.dtype}; LoRA weights must be floating point",
+            f"tensor {shorten(key)} has dtype {tensor.dtype}; LoRA weights must be floating point",
             reason=ErrorReason.ADAPTER_BAD_DTYPE,
         )
 
@@ -197,10 +355,12 @@ def _check_dtype(key: str, tensor: torch.Tensor) -> None:
 def _refuse_non_finite(key: str, raw: torch.Tensor, converted: torch.Tensor) -> None:
     """Raise the error that says why `converted` (the model-dtype form of `raw`) has a non-finite value."""
     if not torch.isfinite(raw).all():
-        raise AdapterFormatError(f"tensor {key} holds NaN or infinite values", reason=ErrorReason.ADAPTER_NOT_FINITE)
+        raise AdapterFormatError(
+            f"tensor {shorten(key)} holds NaN or infinite values", reason=ErrorReason.ADAPTER_NOT_FINITE
+        )
     raise AdapterFormatError(
-        f"tensor {key} has values too large for the model's dtype {str(converted.dtype).removeprefix('torch.')} "
-        "(after multiplying lora_B by alpha/rank)",
+        f"tensor {shorten(key)} has values too large for the model's dtype "
+        f"{str(converted.dtype).removeprefix('torch.')} (after multiplying lora_B by alpha/rank)",
         reason=ErrorReason.ADAPTER_OUT_OF_RANGE,
     )
 
@@ -221,33 +381,40 @@ def _check_b(key: str, raw: torch.Tensor, b: torch.Tensor) -> None:
     limit = torch.finfo(b.dtype).max / MAX_ADAPTER_SCALE
     if largest > limit:
         raise AdapterFormatError(
-            f"tensor {key} has values up to {largest:.3g}; at the largest strength ({MAX_ADAPTER_SCALE}) they would "
-            f"overflow the model's dtype {str(b.dtype).removeprefix('torch.')}, so values must stay within {limit:.3g}",
+            f"tensor {shorten(key)} has values up to {largest:.3g}; at the largest strength ({MAX_ADAPTER_SCALE}) "
+            f"they would overflow the model's dtype {str(b.dtype).removeprefix('torch.')}, so values must stay within {limit:.3g}",
             reason=ErrorReason.ADAPTER_OUT_OF_RANGE,
         )
+
+
+def _check_layers(state_dict: dict[str, torch.Tensor], spec: SlotSpec) -> None:
+    """Plain LoRA factors of slot layers only, checked before alpha patterns are matched against module names."""
+    if any("lora_magnitude_vector" in key for key in state_dict):
+        raise AdapterIncompatibleError("DoRA adapters cannot be swapped in place; use a plain LoRA")
+    unexpected = sorted(key for key in state_dict if not key.endswith((".lora_A.weight", ".lora_B.weight")))
+    if unexpected:
+        raise AdapterFormatError(
+            f"the adapter has tensors that are not plain LoRA factors "
+            f"({shorten(', '.join(shorten(key, 80) for key in unexpected[:5]))}); "
+            "LoRA biases, DoRA magnitudes and trained base weights cannot be swapped in place",
+            reason=ErrorReason.ADAPTER_UNSUPPORTED_TENSORS,
+        )
+    modules = {key.removesuffix(".lora_A.weight") for key in state_dict if key.endswith(".lora_A.weight")}
+    outside = sorted(module for module in modules if module not in spec.layer_shapes)
+    if outside:
+        raise AdapterIncompatibleError(
+            f"the adapter changes {len(outside)} layer(s) the server's swap slot does not cover "
+            f"(e.g. {shorten(', '.join(shorten(module, 80) for module in outside[:3]))}); restart the server with "
+            "--target-modules covering them, or use an adapter for this model",
+            reason=ErrorReason.ADAPTER_LAYER_NOT_TARGETED,
+            layers=len(outside),
+        )
+    _check_tensors(state_dict)  # the converters' output too: a rank-0 factor must not reach alpha / rank
 
 
 def _canonical_layers(
     state_dict: dict[str, torch.Tensor], scalings: dict[str, float], spec: SlotSpec
 ) -> dict[str, CanonicalLayer]:
-    unexpected = sorted(
-        key for key in state_dict if not key.endswith((".lora_A.weight", ".lora_B.weight"))
-    )
-    if unexpected:
-        raise AdapterFormatError(
-            f"the adapter has tensors that are not plain LoRA factors ({', '.join(unexpected[:5])}); "
-            "LoRA biases, DoRA magnitudes and trained base weights cannot be swapped in place",
-            reason=ErrorReason.ADAPTER_UNSUPPORTED_TENSORS,
-        )
-    outside = sorted(module for module in scalings if module not in spec.layer_shapes)
-    if outside:
-        raise AdapterIncompatibleError(
-            f"the adapter changes {len(outside)} layer(s) the server's swap slot does not cover "
-            f"(e.g. {', '.join(outside[:3])}); restart the server with --target-modules covering them, "
-            "or use an adapter for this model",
-            reason=ErrorReason.ADAPTER_LAYER_NOT_TARGETED,
-            layers=len(outside),
-        )
     layers = {}
     for module, scaling in sorted(scalings.items()):
         a_key, b_key = f"{module}.lora_A.weight", f"{module}.lora_B.weight"
@@ -300,9 +467,10 @@ def _canonical_layers(
 def load_canonical(adapter_file: AdapterFile, spec: SlotSpec) -> CanonicalAdapter:
     """Read, convert and validate an adapter file into its canonical form; touches no model."""
     started = time.perf_counter()
-    raw, metadata = _read_safetensors(adapter_file.path)
+    raw, metadata = _read_safetensors(adapter_file)
     if not raw:
-        raise AdapterFormatError(f"{adapter_file.path.name} holds no tensors")
+        raise AdapterFormatError(f"adapter {shorten(adapter_file.name)!r} holds no tensors")
+    _check_tensors(raw)
     converted, alphas = _to_diffusers_keys(raw, spec)
     prefix = FAMILIES[spec.family].adapter_prefix
     own, dropped = _split_by_component(converted, prefix)
@@ -328,6 +496,7 @@ def load_canonical(adapter_file: AdapterFile, spec: SlotSpec) -> CanonicalAdapte
 
         own = convert_unet_state_dict_to_peft(own)
     _check_factor_pairs(own)
+    _check_layers(own, spec)
     scalings = _layer_scalings(own, alphas, metadata, prefix)
     layers = _canonical_layers(own, scalings, spec)
     return CanonicalAdapter(

@@ -27,22 +27,68 @@ given layout (its layers and ranks) is copied into are built once and kept
 the strength multiply and the gate writes are one `torch._foreach_*` call
 each; and lora_B rows of 16 bytes or a multiple of 16 are copied as 16-byte
 elements (`_as_16_byte_elements`).
+
+Stacks: a sum of LoRAs is one LoRA whose factors are theirs concatenated along
+the rank, `sum_i B_i A_i = [B_1 B_2 ...] [A_1; A_2; ...]`. So several adapters
+whose ranks add up to at most max rank on every layer go into the slot side by
+side: each member's factors are copied into the next free rank range of each
+of its layers (its strength multiplied into its own lora_B columns), and the
+gate opens the summed rank. Members are placed in name order, so the same
+members in any order are one slot state with one image; a one-member stack is
+exactly a single adapter. A stack's plan is cached like any other layout; it
+copies layer by layer, so that the members' neighbouring lora_B ranges of a
+layer are written while its rows are in cache.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec
+from loraswap.server.engine.errors import AdapterIncompatibleError, ErrorReason
 from loraswap.server.engine.types import ModelFamily
 
 SLOT_ADAPTER_NAME = "loraswap_slot"
 # Adapter layouts (layers and ranks) whose slot views are kept; most deployments have a handful.
 MAX_CACHED_PLANS = 64
+
+StackMember = tuple[CanonicalAdapter, float]  # an adapter and the strength it is applied at
+
+
+def stack_order(members: Iterable[StackMember]) -> tuple[StackMember, ...]:
+    """Members in the order the slot places them: by name, so the order a request gives never changes the image."""
+    return tuple(sorted(members, key=lambda member: member[0].name))
+
+
+def _stack_rank_error(layer: str, rank: int, max_rank: int) -> AdapterIncompatibleError:
+    return AdapterIncompatibleError(
+        f"the stacked adapters' ranks add up to {rank} on layer {layer}, above the server's max rank {max_rank}; "
+        f"stack fewer or lower-rank adapters, or restart the server with --max-rank {rank}",
+        reason=ErrorReason.STACK_RANK_EXCEEDED,
+        layer=layer,
+        rank=rank,
+        max_rank=max_rank,
+    )
+
+
+def check_stack_fits(adapters: Iterable[CanonicalAdapter], max_rank: int) -> None:
+    """Raise STACK_RANK_EXCEEDED, naming the worst layer, unless the ranks add up to at most max_rank on every layer.
+
+    Plain arithmetic on the adapters' shapes: safe on any thread, before anything is queued.
+    """
+    summed: dict[str, int] = {}
+    for adapter in adapters:
+        for name, layer in adapter.layers.items():
+            summed[name] = summed.get(name, 0) + layer.rank
+    if summed:
+        worst = max(sorted(summed), key=summed.__getitem__)
+        if summed[worst] > max_rank:
+            raise _stack_rank_error(worst, summed[worst], max_rank)
 
 
 class RankGatedLinear(torch.nn.Linear):
@@ -73,11 +119,16 @@ def _as_16_byte_elements(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _SwapPlan:
-    """Where an adapter of one layout goes in the slot: built once per layout, reused by every swap to it."""
+    """Where a stack of one layout goes in the slot: built once per layout, reused by every swap to it."""
 
-    targets: list[torch.Tensor]  # slot views, in the order of the adapter's copy sources
-    scaled: list[torch.Tensor]  # the lora_B views in the model's dtype, which the strength multiplies
-    ranks: dict[str, int]  # every slot layer's rank once the adapter is resident
+    targets: list[torch.Tensor]  # slot views, in the order of the members' copy sources
+    scaled: list[list[torch.Tensor]]  # per member: its lora_B views in the model's dtype, which its strength multiplies
+    ranks: dict[str, int]  # every slot layer's rank once the stack is resident
+    # Where each target's source is in the members' sources one after the other (None: in that order).
+    order: tuple[int, ...] | None = None
+    # Copy sources (after `order`) a member offers as 16-byte elements that must be copied element-wise
+    # here, because its rank range in the slot does not start on a 16-byte boundary.
+    narrowed: tuple[int, ...] = ()
 
 
 @dataclass
@@ -142,8 +193,7 @@ class HotswapSlot:
             (max_rank * first.b.element_size()) % 16 == 0
             and all(live.b.data_ptr() % 16 == 0 for live in self._layers.values())
         )
-        self.resident: CanonicalAdapter | None = None
-        self.resident_scale = 1.0
+        self._members: tuple[StackMember, ...] = ()  # what is resident, in stack_order
         self._consistent = True  # False after a load failed part-way: then nothing is resident for sure
         self._resident_ranks: dict[str, int] | None = None  # the ranks dict of the last load (identity compared)
         self._no_adapter_ranks = {name: 0 for name in self._layers}
@@ -168,25 +218,65 @@ class HotswapSlot:
             strict=strict,
         )
 
+    @property
+    def resident(self) -> CanonicalAdapter | None:
+        """The adapter in the slot when it holds exactly one; None for the base model and for a stack."""
+        return self._members[0][0] if len(self._members) == 1 else None
+
+    @property
+    def resident_scale(self) -> float:
+        """The strength of the one resident adapter; 1.0 otherwise."""
+        return self._members[0][1] if len(self._members) == 1 else 1.0
+
+    @property
+    def resident_adapters(self) -> tuple[CanonicalAdapter, ...]:
+        """Every adapter in the slot, in stack_order; empty for the base model."""
+        return tuple(adapter for adapter, _ in self._members)
+
     def is_resident(self, adapter: CanonicalAdapter | None, scale: float) -> bool:
         """True when the slot already holds exactly this adapter object at this strength."""
+        return self.holds(() if adapter is None else ((adapter, scale),))
+
+    def holds(self, members: Iterable[StackMember]) -> bool:
+        """True when the slot already holds exactly these adapter objects at these strengths, in any order."""
         if not self._consistent:
             return False
-        if adapter is None:
-            return self.resident is None
-        return self.resident is adapter and self.resident_scale == scale
+        ordered = stack_order(members)
+        return len(ordered) == len(self._members) and all(
+            adapter is resident and scale == resident_scale
+            for (adapter, scale), (resident, resident_scale) in zip(ordered, self._members)
+        )
 
-    @torch.no_grad()
     def load(self, adapter: CanonicalAdapter | None, scale: float = 1.0) -> float:
         """Make `adapter` (None: the base model) resident at `scale`; returns milliseconds spent."""
-        if self.is_resident(adapter, scale):
+        return self.load_stack(() if adapter is None else ((adapter, scale),))
+
+    @torch.no_grad()
+    def load_stack(self, members: Iterable[StackMember]) -> float:
+        """Make these adapters resident together, each at its strength (none: the base model); returns ms spent.
+
+        Raises STACK_RANK_EXCEEDED (AdapterIncompatibleError) before anything changes when their
+        ranks add up to more than max rank on some layer.
+        """
+        members = stack_order(members)
+        if self.holds(members):
             return 0.0
         started = time.perf_counter()
-        targets, sources, scaled, ranks = [], [], [], self._no_adapter_ranks
-        if adapter is not None:
-            key, sources = self._copy_sources(adapter)
+        targets, sources, ranks = [], [], self._no_adapter_ranks
+        by_scale: dict[float, list[torch.Tensor]] = {}
+        if members:
+            key, sources = self._stack_sources(members)
             plan = self._plan(key)
-            targets, scaled, ranks = plan.targets, plan.scaled, plan.ranks
+            targets, ranks = plan.targets, plan.ranks
+            if plan.order is not None:
+                sources = [sources[index] for index in plan.order]
+            if plan.narrowed:
+                sources = list(sources)  # never change a list an adapter keeps
+                for index in plan.narrowed:
+                    sources[index] = sources[index].view(self._dtype)
+            for views, (_, scale) in zip(plan.scaled, members):
+                if scale != 1.0:
+                    by_scale[scale] = by_scale[scale] + views if scale in by_scale else views
         gates, gate_rows = [], []
         if ranks is not self._resident_ranks:
             for name, live in self._layers.items():
@@ -197,8 +287,9 @@ class HotswapSlot:
             # One call each instead of a Python-level copy per tensor (1,120 on SDXL's default slot).
             if targets:
                 torch._foreach_copy_(targets, sources, non_blocking=True)
-                if scale != 1.0:
-                    torch._foreach_mul_(scaled, self._scale_operand(scale, scaled[0].device))
+                # One multiply per distinct strength: a single adapter's is one call, as before stacks.
+                for scale, views in by_scale.items():
+                    torch._foreach_mul_(views, self._scale_operand(scale, views[0].device))
             if gates:
                 torch._foreach_copy_(gates, gate_rows)
             first = next(iter(self._layers.values()), None)
@@ -208,17 +299,28 @@ class HotswapSlot:
             # Weights and gates are now in an unknown state: the next load rewrites every gate.
             for live in self._layers.values():
                 live.resident_rank = -1
-            self.resident, self.resident_scale, self._consistent = None, 1.0, False
+            self._members, self._consistent = (), False
             self._resident_ranks = None
             raise
         if gates:
             for name, rank in ranks.items():
                 self._layers[name].resident_rank = rank
         self._resident_ranks = ranks
-        self.resident = adapter
-        self.resident_scale = scale if adapter is not None else 1.0
+        self._members = members
         self._consistent = True
         return (time.perf_counter() - started) * 1000.0
+
+    def _stack_sources(self, members: tuple[StackMember, ...]) -> tuple[tuple, list[torch.Tensor]]:
+        """The plan key of the members' layouts (in stack_order) and their copy sources, in order."""
+        if len(members) == 1:
+            layout, sources = self._copy_sources(members[0][0])
+            return (layout,), sources  # the adapter's own list, not copied
+        layouts, sources = [], []
+        for adapter, _ in members:
+            layout, adapter_sources = self._copy_sources(adapter)
+            layouts.append(layout)
+            sources += adapter_sources
+        return tuple(layouts), sources
 
     def _copy_sources(self, adapter: CanonicalAdapter) -> tuple[tuple, list[torch.Tensor]]:
         """The adapter's tensors in copy order, and the key of the plan they go with (cached on the adapter)."""
@@ -253,19 +355,48 @@ class HotswapSlot:
         return torch.tensor(scale) if device.type == "cpu" else scale
 
     def _plan(self, key: tuple) -> _SwapPlan:
+        """The slot views for a key of member layouts: each member in the next free rank range of its layers."""
         plan = self._plans.get(key)
         if plan is None:
-            targets, scaled = [], []
+            summed = dict(self._no_adapter_ranks)
+            for layout in key:
+                for name, rank, _ in layout:
+                    summed[name] += rank
+            worst = max(sorted(summed), key=summed.__getitem__, default=None)
+            if worst is not None and summed[worst] > self.max_rank:
+                raise _stack_rank_error(worst, summed[worst], self.max_rank)
+            position = {name: index for index, name in enumerate(self._layers)}
+            copies = []  # per layer of each member: (slot layer position, its lora_A source index, targets, narrowed)
+            scaled = []
             ranks = dict(self._no_adapter_ranks)
-            for name, rank, wide in key:
-                live = self._layers[name]
-                b_view = live.b[:, :rank]
-                targets += (live.a[:rank], _as_16_byte_elements(b_view) if wide else b_view)
-                scaled.append(b_view)
-                ranks[name] = rank
+            for layout in key:
+                views = []
+                for name, rank, wide in layout:
+                    live = self._layers[name]
+                    start, end = ranks[name], ranks[name] + rank
+                    b_view = live.b[:, start:end]
+                    narrow = wide and (start * live.b.element_size()) % 16 != 0  # off a 16-byte boundary
+                    b_target = _as_16_byte_elements(b_view) if wide and not narrow else b_view
+                    copies.append((position[name], 2 * len(copies), (live.a[start:end], b_target), narrow))
+                    views.append(b_view)
+                    ranks[name] = end
+                scaled.append(views)
+            order = None
+            if len(key) > 1:
+                # Layer by layer, not member by member: a layer's members write neighbouring bytes of each
+                # lora_B row (a rank-8 bfloat16 range is 16 of them), so one pass fetches each cache line once.
+                copies.sort(key=lambda copy: copy[0])  # stable: members keep their order within a layer
+                order = tuple(index for _, source, _, _ in copies for index in (source, source + 1))
+            plan = _SwapPlan(
+                targets=[target for _, _, pair, _ in copies for target in pair],
+                scaled=scaled,
+                ranks=ranks,
+                order=order,
+                narrowed=tuple(2 * index + 1 for index, (*_, narrow) in enumerate(copies) if narrow),
+            )
             if len(self._plans) >= MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-            plan = self._plans[key] = _SwapPlan(targets=targets, scaled=scaled, ranks=ranks)
+            self._plans[key] = plan
         return plan
 
     def gates_match_resident(self) -> bool:

@@ -10,7 +10,7 @@ weights. Names follow the grammar written in the proto:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraswap.server.engine.errors import (
@@ -20,6 +20,7 @@ from loraswap.server.engine.errors import (
     AdapterTooLargeError,
     ErrorReason,
     HubDisabledError,
+    shorten,
 )
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -30,15 +31,19 @@ _HUB_REF = re.compile(
     rf"(?:hf:)?(?P<repo>{_SEGMENT}/{_SEGMENT})(?:@(?P<revision>[A-Za-z0-9._/-]+?))?(?::(?P<weight>{_SEGMENT}(?:/{_SEGMENT})*))?"
 )
 MAX_NAME_LENGTH = 512
+# A segment becomes a file or folder name (plus ".safetensors"); filesystems stop at 255 bytes.
+MAX_SEGMENT_LENGTH = 200
 
 
 @dataclass(frozen=True)
 class AdapterFile:
-    """A local safetensors file that holds an adapter, and where it came from."""
+    """A local safetensors file that holds an adapter, where it came from, and how many bytes it may have."""
 
     name: str
     path: Path
-    source: str
+    source: str  # shown to callers: relative to the adapter directory, never a server path
+    # The size limit checked when the file was found, checked again by whoever reads it (it may have grown since).
+    max_bytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -67,23 +72,32 @@ def check_name(name: str) -> None:
     if not name:
         raise AdapterNameError("the adapter name is empty; leave `adapter` unset for the base model")
     if len(name) > MAX_NAME_LENGTH:
-        raise AdapterNameError(f"the adapter name is longer than {MAX_NAME_LENGTH} characters")
+        raise AdapterNameError(
+            f"the adapter name is {len(name)} characters long; names are limited to {MAX_NAME_LENGTH}"
+        )
+    longest = max(re.split(r"[/:@]", name), key=len)
+    if len(longest) > MAX_SEGMENT_LENGTH:
+        raise AdapterNameError(
+            f"the adapter name has a part of {len(longest)} characters ({shorten(longest, 40)!r}); each part "
+            f"between '/' is limited to {MAX_SEGMENT_LENGTH} characters"
+        )
     if name.startswith("/") or "\\" in name:
         raise AdapterNameError(
-            f"adapter name {name!r} is an absolute path; name adapters relative to the server's adapter directory"
+            f"adapter name {shorten(name)!r} is an absolute path; name adapters relative to the server's adapter "
+            "directory"
         )
     ref = parse_hub_ref(name)
     is_local = not name.startswith("hf:") and _LOCAL_NAME.fullmatch(name) is not None
     if not is_local and ref is None:
         raise AdapterNameError(
-            f"adapter name {name!r} is not valid: use letters, digits, '.', '_', '-' and '/' "
+            f"adapter name {shorten(name)!r} is not valid: use letters, digits, '.', '_', '-' and '/' "
             "(or hf:owner/repo[@revision][:file.safetensors] for the Hub)"
         )
     parts = [name] if is_local else [ref.repo_id, ref.revision or "main", ref.weight_name or "x"]
     if any(_has_bad_segment(part) for part in parts):
         raise AdapterNameError(
-            f"adapter name {name!r} has an empty, '.' or '..' segment; names cannot leave the adapter directory "
-            "or the Hub repository"
+            f"adapter name {shorten(name)!r} has an empty, '.' or '..' segment; names cannot leave the adapter "
+            "directory or the Hub repository"
         )
 
 
@@ -91,7 +105,7 @@ def _check_size(path: Path, max_bytes: int) -> None:
     size = path.stat().st_size
     if max_bytes and size > max_bytes:
         raise AdapterTooLargeError(
-            f"adapter file {path.name} is {size} bytes, over the server's limit of {max_bytes} "
+            f"adapter file {shorten(path.name)} is {size} bytes, over the server's limit of {max_bytes} "
             "(--max-adapter-bytes); use a smaller rank or fewer layers",
             file_bytes=size,
             max_bytes=max_bytes,
@@ -107,18 +121,19 @@ def pick_weight_file(folder: Path, label: str) -> Path:
     if len(candidates) == 1:
         return candidates[0]
     if len(candidates) > 1:
-        names = ", ".join(p.name for p in candidates)
+        names = shorten(", ".join(p.name for p in candidates))
         raise AdapterFormatError(
-            f"{label} holds several .safetensors files ({names}); name one of them, e.g. {label}/{candidates[0].stem}"
+            f"{shorten(label)} holds several .safetensors files ({names}); name one of them, "
+            f"e.g. {shorten(label)}/{shorten(candidates[0].stem)}"
         )
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise AdapterFormatError(
-            f"{label} holds only pickle files ({', '.join(pickles)}); loraswap reads safetensors only, "
-            "convert the adapter to .safetensors",
+            f"{shorten(label)} holds only pickle files ({shorten(', '.join(pickles))}); loraswap reads safetensors "
+            "only, convert the adapter to .safetensors",
             reason=ErrorReason.ADAPTER_PICKLE_REFUSED,
         )
-    raise AdapterNotFoundError(f"{label} holds no .safetensors file")
+    raise AdapterNotFoundError(f"{shorten(label)} holds no .safetensors file")
 
 
 class LocalAdapterDirectory:
@@ -132,7 +147,7 @@ class LocalAdapterDirectory:
         real = path.resolve()
         if self.root is None or not real.is_relative_to(self.root):
             raise AdapterNameError(
-                f"{path.name} resolves outside the adapter directory (a symlink leaving it?); refused"
+                f"{shorten(path.name)} resolves outside the adapter directory (a symlink leaving it?); refused"
             )
         return real
 
@@ -140,13 +155,25 @@ class LocalAdapterDirectory:
         """The file for a local name, or None when nothing by that name is here."""
         if self.root is None or not _LOCAL_NAME.fullmatch(name):
             return None
+        try:
+            return self._find(name)
+        # An unreadable folder, a symlink loop (RuntimeError from resolve), ...: say so, without any path.
+        except (OSError, RuntimeError) as exc:
+            raise AdapterNotFoundError(
+                f"adapter {shorten(name)!r} cannot be opened under the adapter directory "
+                f"({getattr(exc, 'strerror', None) or type(exc).__name__}); check the name and the file's permissions",
+                adapter=name,
+            ) from exc
+
+    def _find(self, name: str) -> AdapterFile | None:
         candidate = self.root / name
         pickled = [candidate] if candidate.suffix in PICKLE_SUFFIXES else []
         pickled += [candidate.with_name(candidate.name + suffix) for suffix in PICKLE_SUFFIXES]
         safetensors = candidate.with_name(candidate.name + ".safetensors")
         if not candidate.is_dir() and not safetensors.is_file() and any(p.is_file() for p in pickled):
             raise AdapterFormatError(
-                f"adapter {name!r} is a pickle file; loraswap reads safetensors only, convert it to .safetensors",
+                f"adapter {shorten(name)!r} is a pickle file; loraswap reads safetensors only, "
+                "convert it to .safetensors",
                 reason=ErrorReason.ADAPTER_PICKLE_REFUSED,
             )
         if candidate.is_dir():
@@ -160,10 +187,12 @@ class LocalAdapterDirectory:
         real = self._inside(real)
         if real.suffix != ".safetensors":
             raise AdapterFormatError(
-                f"adapter {name!r} is not a .safetensors file; loraswap reads safetensors only"
+                f"adapter {shorten(name)!r} is not a .safetensors file; loraswap reads safetensors only"
             )
         _check_size(real, self.max_adapter_bytes)
-        return AdapterFile(name=name, path=real, source=str(real))
+        return AdapterFile(
+            name=name, path=real, source=str(real.relative_to(self.root)), max_bytes=self.max_adapter_bytes
+        )
 
 
 class HubAdapterSource:
@@ -177,7 +206,7 @@ class HubAdapterSource:
         """Download (or find in the cache) the adapter file for a hub-ref."""
         if not self.allowed:
             raise HubDisabledError(
-                f"{name!r} is not under the adapter directory and the server runs without --allow-hub; "
+                f"{shorten(name)!r} is not under the adapter directory and the server runs without --allow-hub; "
                 "put the adapter in the adapter directory or start the server with --allow-hub"
             )
         from huggingface_hub import hf_hub_download, snapshot_download
@@ -193,7 +222,7 @@ class HubAdapterSource:
             if ref.weight_name:
                 if not ref.weight_name.endswith(".safetensors"):
                     raise AdapterFormatError(
-                        f"{ref.weight_name} is not a .safetensors file; loraswap reads safetensors only",
+                        f"{shorten(ref.weight_name)} is not a .safetensors file; loraswap reads safetensors only",
                         reason=ErrorReason.ADAPTER_PICKLE_REFUSED,
                     )
                 path = Path(hf_hub_download(ref.repo_id, ref.weight_name, revision=ref.revision))
@@ -203,14 +232,16 @@ class HubAdapterSource:
                 )
                 path = pick_weight_file(folder, name)
         except HFValidationError as exc:
-            raise AdapterNameError(f"{name!r} is not a valid Hub reference: {exc}") from exc
+            raise AdapterNameError(f"{shorten(name)!r} is not a valid Hub reference: {shorten(exc)}") from exc
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError, LocalEntryNotFoundError) as exc:
             raise AdapterNotFoundError(
-                f"adapter {name!r} was not found on the Hub or in the local Hub cache: {type(exc).__name__}"
+                f"adapter {shorten(name)!r} was not found on the Hub or in the local Hub cache: {type(exc).__name__}"
             ) from exc
         _check_size(path, self.max_adapter_bytes)
         revision = ref.revision or "main"
-        return AdapterFile(name=name, path=path, source=f"hf://{ref.repo_id}@{revision}/{path.name}")
+        return AdapterFile(
+            name=name, path=path, source=f"hf://{ref.repo_id}@{revision}/{path.name}", max_bytes=self.max_adapter_bytes
+        )
 
 
 class AdapterSources:
@@ -230,8 +261,9 @@ class AdapterSources:
         ref = parse_hub_ref(name)
         if ref is not None and (name.startswith("hf:") or self.hub.allowed):
             return self.hub.fetch(name, ref)
-        where = str(self.local.root) if self.local.root else "no adapter directory (--adapter-dir)"
+        # Never the directory's path: callers name adapters relative to it, and server paths are not theirs to see.
+        where = "under the adapter directory" if self.local.root else "(the server has no --adapter-dir)"
         raise AdapterNotFoundError(
-            f"no adapter named {name!r} in {where}; check the name, or PreloadAdapter/ListAdapters to see what is there",
+            f"no adapter named {shorten(name)!r} {where}; check the name, or ListAdapters to see what is cached",
             adapter=name,
         )
