@@ -246,7 +246,7 @@ class AsyncLoraswapClient:
                 request,
                 timeout=deadline.remaining(),
                 wait_for_ready=self.wait_for_ready,
-                metadata=self._call_metadata,
+                metadata=self._metadata(request.adapter, *(member.adapter for member in request.adapters)),
             )
             decoder = GenerateStreamDecoder()
             received = False
@@ -323,7 +323,9 @@ class AsyncLoraswapClient:
 
         Idempotent: ``already_cached`` tells whether anything was loaded.
         """
-        response = await self._unary(self._service().PreloadAdapter, pb.PreloadAdapterRequest(adapter=name), timeout)
+        response = await self._unary(
+            self._service().PreloadAdapter, pb.PreloadAdapterRequest(adapter=name), timeout, lora=name
+        )
         return PreloadResult.from_pb(response)
 
     async def evict(self, name: str, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> int:
@@ -332,7 +334,7 @@ class AsyncLoraswapClient:
         Raises:
             NotFound: the adapter is not cached.
         """
-        response = await self._unary(self._service().Evict, pb.EvictRequest(adapter=name), timeout)
+        response = await self._unary(self._service().Evict, pb.EvictRequest(adapter=name), timeout, lora=name)
         return response.freed_bytes
 
     async def list_adapters(self, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> AdapterList:
@@ -350,6 +352,8 @@ class AsyncLoraswapClient:
         method: Callable[..., Awaitable[_Result]],
         request: object,
         timeout: Timeout,
+        *,
+        lora: str = "",
     ) -> _Result:
         deadline = _Deadline(self._deadline(timeout))
         while True:
@@ -358,12 +362,18 @@ class AsyncLoraswapClient:
                     request,
                     timeout=deadline.remaining(),
                     wait_for_ready=self.wait_for_ready,
-                    metadata=self._call_metadata,
+                    metadata=self._metadata(lora),
                 )
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 if not await self._wait_while_starting(error, deadline):
                     raise error from exc
+
+    def _metadata(self, *adapters: str) -> tuple[tuple[str, str], ...] | None:
+        """The call's metadata: the bearer token, and the `lora` key naming its adapters (a stack: comma-separated),
+        so that a proxy can route on the adapter without parsing protobuf (the server checks both agree)."""
+        lora = _lora_metadata([name for name in adapters if name])
+        return (*(self._call_metadata or ()), *lora) or None
 
     async def _wait_while_starting(self, error: LoraswapError, deadline: _Deadline) -> bool:
         """With wait_for_ready, a server still loading its model (UNAVAILABLE, NOT_SERVING) is waited for.
@@ -384,6 +394,21 @@ class AsyncLoraswapClient:
             return False
         await asyncio.sleep(pause)
         return True
+
+
+LORA_METADATA_KEY = "lora"
+_MAX_LORA_METADATA_CHARS = 4096
+
+
+def _lora_metadata(names: list[str]) -> tuple[tuple[str, str], ...]:
+    """("lora", "a,b") for these adapter names; nothing when a name could not travel as a header value (the
+    request's own fields still name the adapters, and the server refuses names outside its grammar)."""
+    value = ",".join(names)
+    if not value or len(value) > _MAX_LORA_METADATA_CHARS or any("," in name for name in names):
+        return ()
+    if not all("\x20" <= character <= "\x7e" for character in value):
+        return ()
+    return ((LORA_METADATA_KEY, value),)
 
 
 def _bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:

@@ -62,6 +62,59 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
     )
 
 
+# The call metadata key that names the adapter (a stack: names separated by commas), as the seed system's
+# clients sent a `lora` HTTP header: proxies can route on it without parsing protobuf.
+LORA_METADATA_KEY = "lora"
+
+
+def lora_names(metadata) -> tuple[str, ...]:
+    """The adapter names the `lora` call metadata carries, in order; () when it is absent or empty."""
+    for key, value in metadata or ():
+        if key == LORA_METADATA_KEY:
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            return tuple(name.strip() for name in text.split(",") if name.strip())
+    return ()
+
+
+def _metadata_mismatch(names: tuple[str, ...], requested: tuple[str, ...]):
+    from loraswap.server.engine.errors import ErrorReason, InvalidRequestError, shorten
+
+    return InvalidRequestError(
+        f"the lora metadata names {shorten(','.join(names))!r} but the request names "
+        f"{shorten(','.join(requested))!r}; send the same adapters in both, or name them in one place only",
+        reason=ErrorReason.ADAPTER_MISMATCH,
+        field="adapter",
+    )
+
+
+def with_lora_metadata(request: GenerationRequest, names: tuple[str, ...]) -> GenerationRequest:
+    """The request with its adapters taken from the `lora` metadata when its fields name none.
+
+    When both name adapters they must agree (a stack's members in any order), else ADAPTER_MISMATCH.
+    """
+    from dataclasses import replace
+
+    if not names:
+        return request
+    requested = (request.adapter,) if request.adapter else tuple(member.adapter for member in request.adapters)
+    if not requested:
+        if len(names) == 1:
+            return replace(request, adapter=names[0])
+        return replace(request, adapters=tuple(StackedAdapter(name, None) for name in names))
+    if sorted(requested) != sorted(names):
+        raise _metadata_mismatch(names, requested)
+    return request
+
+
+def adapter_with_lora_metadata(adapter: str, names: tuple[str, ...]) -> str:
+    """PreloadAdapter / Evict: the adapter field, or the one adapter the `lora` metadata names; they must agree."""
+    if not names:
+        return adapter
+    if len(names) != 1 or (adapter and adapter != names[0]):
+        raise _metadata_mismatch(names, (adapter,) if adapter else ())
+    return names[0]
+
+
 def generation_event_to_pb(event: GenerationEvent) -> pb.GenerateResponse:
     """A domain event -> one GenerateResponse (an image whole, however large; streams use generate_responses)."""
     if isinstance(event, Queued):

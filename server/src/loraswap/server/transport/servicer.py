@@ -124,7 +124,9 @@ def _errors_mapped(method):
     return unary
 
 
-def _required_adapter(name: str) -> str:
+def _adapter_named(field: str, context: grpc.aio.ServicerContext) -> str:
+    """The adapter a Preload or Evict acts on: its field, or the `lora` metadata's one name."""
+    name = convert.adapter_with_lora_metadata(field, convert.lora_names(context.invocation_metadata()))
     if not name:
         raise InvalidRequestError("adapter is empty; name the adapter to act on", field="adapter")
     return name
@@ -140,7 +142,9 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        generation = convert.generation_request_from_pb(request)
+        generation = convert.with_lora_metadata(
+            convert.generation_request_from_pb(request), convert.lora_names(context.invocation_metadata())
+        )
         async with contextlib.aclosing(self.engine.generate(generation)) as events:
             async for event in events:
                 for response in convert.generate_responses(event):
@@ -150,11 +154,11 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
     async def PreloadAdapter(
         self, request: pb.PreloadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreloadAdapterResponse:
-        return convert.preload_to_pb(await self.engine.preload(_required_adapter(request.adapter)))
+        return convert.preload_to_pb(await self.engine.preload(_adapter_named(request.adapter, context)))
 
     @_errors_mapped
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
-        return pb.EvictResponse(freed_bytes=self.engine.evict(_required_adapter(request.adapter)))
+        return pb.EvictResponse(freed_bytes=self.engine.evict(_adapter_named(request.adapter, context)))
 
     @_errors_mapped
     async def ListAdapters(
