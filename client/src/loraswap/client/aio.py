@@ -246,7 +246,7 @@ class AsyncLoraswapClient:
                 request,
                 timeout=deadline.remaining(),
                 wait_for_ready=self.wait_for_ready,
-                metadata=self._metadata(request.adapter, *(member.adapter for member in request.adapters)),
+                metadata=self._metadata(*_adapter_names(request)),
             )
             decoder = GenerateStreamDecoder()
             received = False
@@ -398,6 +398,15 @@ class AsyncLoraswapClient:
 
 LORA_METADATA_KEY = "lora"
 _MAX_LORA_METADATA_CHARS = 4096
+
+
+def _adapter_names(request: pb.GenerateRequest) -> tuple[str, ...]:
+    """The adapters a GenerateRequest names, for its `lora` metadata; none when it sets both `adapter` and
+    `adapters` (the server refuses that request for what it is, not for a metadata mismatch)."""
+    members = tuple(member.adapter for member in request.adapters)
+    if request.adapter and members:
+        return ()
+    return (request.adapter,) if request.adapter else members
 
 
 def _lora_metadata(names: list[str]) -> tuple[tuple[str, str], ...]:
