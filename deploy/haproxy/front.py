@@ -113,19 +113,15 @@ def start_replica(serve_flags: list[str], log_path: Path, env: dict[str, str]) -
 def wait_serving(address: str, timeout: float) -> None:
     """Block until the gRPC health service at address answers SERVING."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from loraswap.server.healthcheck import serving_status
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            with contextlib.suppress(grpc.RpcError):
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            time.sleep(0.2)
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.RpcError):
+            if serving_status(address, timeout=2) == "SERVING":
+                return
+        time.sleep(0.2)
     raise TimeoutError(f"{address} was not SERVING within {timeout:.0f} s")
 
 

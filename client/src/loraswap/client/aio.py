@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 
-from loraswap.client.connection import TlsConfig, open_channel
+from loraswap.client.connection import LORA_METADATA_KEY, TlsConfig, open_channel
 from loraswap.client.errors import InternalError, InvalidRequest, LoraswapError, error_from_rpc
 from loraswap.client.events import (
     AdapterList,
@@ -396,7 +396,6 @@ class AsyncLoraswapClient:
         return True
 
 
-LORA_METADATA_KEY = "lora"
 _MAX_LORA_METADATA_CHARS = 4096
 
 

@@ -28,6 +28,9 @@ __all__ = [
 # and a Generate stream may stay quiet longer than that while it waits in the queue. Both sides therefore
 # ping well inside a minute; the server accepts a client's pings down to half the client's interval, so timer
 # slack never makes a ping arrive "too early" (two such strikes and the server would answer too_many_pings).
+# The call metadata key naming a call's adapter (a stack: names separated by commas), as the seed system's
+# clients sent a `lora` HTTP header: proxies route on it without parsing protobuf. Servers read it too.
+LORA_METADATA_KEY = "lora"
 SERVER_MIN_PING_INTERVAL_MS = 10_000
 CLIENT_KEEPALIVE_TIME_MS = 20_000
 SERVER_KEEPALIVE_TIME_MS = 30_000

@@ -11,17 +11,26 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def serving_status(target: str, timeout: float = 5.0) -> str:
+    """The server's overall health status name (SERVING, NOT_SERVING, ...), asked once over plaintext.
+
+    Raises:
+        grpc.RpcError: the server could not be asked.
+    """
+    with grpc.insecure_channel(target) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
 def main(argv: list[str]) -> int:
     target = argv[1] if len(argv) > 1 else "localhost:50051"
     try:
-        with grpc.insecure_channel(target) as channel:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        status = serving_status(target)
     except grpc.RpcError as error:
         print(f"unhealthy: {error.code().name}", file=sys.stderr)
         return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     print(status)
-    return 0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1
+    return 0 if status == "SERVING" else 1
 
 
 if __name__ == "__main__":

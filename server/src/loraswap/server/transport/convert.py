@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from loraswap.client.connection import LORA_METADATA_KEY
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,
@@ -60,11 +61,6 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
         seed=_optional(request, "seed"),
         image_format=image_format,
     )
-
-
-# The call metadata key that names the adapter (a stack: names separated by commas), as the seed system's
-# clients sent a `lora` HTTP header: proxies can route on it without parsing protobuf.
-LORA_METADATA_KEY = "lora"
 
 
 def lora_names(metadata) -> tuple[str, ...]:
