@@ -60,6 +60,8 @@ class ErrorReason(str, enum.Enum):
     TOKEN_MISSING = "TOKEN_MISSING"
     TOKEN_INVALID = "TOKEN_INVALID"
     ADMIN_REQUIRED = "ADMIN_REQUIRED"
+    BASE_MODEL_MISMATCH = "BASE_MODEL_MISMATCH"
+    ADAPTER_PINNED = "ADAPTER_PINNED"
 
     def __str__(self) -> str:
         # The wire string, on every Python version (3.10 would print "ErrorReason.NAME").

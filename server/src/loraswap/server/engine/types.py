@@ -220,3 +220,11 @@ class ServerDescription:
     warnings: tuple[str, ...] = field(default=())
     resident_adapters: tuple[str, ...] = ()  # every adapter in the slot (a stack's members), by name
     max_stack: int = 1
+    base_model: str = ""  # the served base in the vocabulary adapters declare theirs (a Hub repo id)
+    quantization: str = "none"  # none, int8wo or fp8: how the denoiser's base linear weights are stored
+    denoiser_weight_bytes: int = 0  # the denoiser's weights as stored
+    attention_backend: str = "native"
+    pinned_adapter_memory: bool = False  # cached adapters in pinned host memory (CUDA only)
+    device_adapter_bytes: int = 0  # device memory for a hot set of adapters; 0 when none
+    compile_mode: str = "none"  # e.g. "full/default", "regional/default"; "none" when eager
+    rank_buckets: tuple[int, ...] = ()  # the slot's rank buckets

@@ -217,4 +217,12 @@ def server_description_to_pb(info: ServerDescription) -> pb.GetServerInfoRespons
         default_guidance_scale=info.default_guidance_scale,
         resident_adapters=list(info.resident_adapters),
         max_stack=info.max_stack,
+        base_model=info.base_model,
+        quantization=info.quantization,
+        denoiser_weight_bytes=info.denoiser_weight_bytes,
+        attention_backend=info.attention_backend,
+        pinned_adapter_memory=info.pinned_adapter_memory,
+        device_adapter_bytes=info.device_adapter_bytes,
+        compile_mode=info.compile_mode,
+        rank_buckets=list(info.rank_buckets),
     )
