@@ -2,12 +2,12 @@
 
 Starts `--replicas` replicas of the `shapes` model behind HAProxy (deploy/haproxy/front.py,
 loopback only), sends `--requests` Generates from `--clients` concurrent clients over
-`--adapters` adapters drawn Zipf(`--zipf`), each naming its adapter in the `lora` metadata
-as loraswap clients do, and prints one JSON object: adapter loads summed over the replicas
-(from each replica's ListAdapters) against the ideal of one load per distinct adapter, the
-busiest replica's share of requests over the mean (from HAProxy's counters), and latency
-percentiles; then the same workload under `balance roundrobin` for comparison. Bounded in
-count, and every call in time.
+`--adapters` adapters drawn Zipf(`--zipf`) through loraswap's own client (which names each
+adapter in the `lora` metadata HAProxy hashes on), and prints one JSON object: adapter loads
+summed over the replicas (from each replica's ListAdapters) against the ideal of one load per
+distinct adapter, the busiest replica's share of requests over the mean (from HAProxy's
+counters), and latency percentiles; then the same workload under `balance roundrobin` for
+comparison. Bounded in count, and every call in time.
 
     python -m benchmarks.scaleout                                  # 3 replicas, 300 requests, 8 clients
     python -m benchmarks.scaleout --requests 60 --adapters 10      # a quick look
@@ -44,24 +44,19 @@ def write_adapters(directory: Path, count: int) -> list[str]:
 
 
 async def drive(address: str, sequence: list[str], clients: int, steps: int, timeout: float) -> list[float]:
-    """Send the sequence from `clients` concurrent channels; returns each request's latency in ms."""
-    import grpc
-
-    from loraswap.v1 import diffusion_service_pb2 as pb
-    from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
+    """Send the sequence from `clients` concurrent clients, each on its own channel and sending the `lora`
+    metadata as every loraswap client does; returns each request's latency in ms."""
+    from loraswap.client import AsyncLoraswapClient
 
     pending = list(enumerate(sequence))
     latencies: list[float] = []
 
     async def client_loop() -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = pb_grpc.DiffusionServiceStub(channel)
+        async with AsyncLoraswapClient(address, default_timeout=timeout) as client:
             while pending:
                 seed, adapter = pending.pop(0)
-                request = pb.GenerateRequest(prompt=PROMPT, adapter=adapter, seed=seed, num_inference_steps=steps)
                 started = time.perf_counter()
-                async for _ in stub.Generate(request, metadata=[("lora", adapter)], timeout=timeout):
-                    pass
+                await client.generate_image(PROMPT, adapter=adapter, seed=seed, num_inference_steps=steps)
                 latencies.append((time.perf_counter() - started) * 1000.0)
 
     await asyncio.gather(*(client_loop() for _ in range(clients)))
@@ -80,11 +75,7 @@ def replica_figures(front) -> tuple[int, list[int]]:
         with grpc.insecure_channel(replica.address) as channel:
             listing = pb_grpc.DiffusionServiceStub(channel).ListAdapters(pb.ListAdaptersRequest(), timeout=30)
         loads += len(listing.adapters)
-    served = []
-    for line in front.runtime_api("show stat").splitlines():
-        parts = line.split(",")
-        if len(parts) > 7 and parts[0] == "loraswap_replicas" and parts[1].startswith("replica"):
-            served.append(int(parts[7]))  # stot: sessions (requests) this server took
+    served = [int(row["stot"]) for row in front.server_stats().values()]  # the calls each replica took
     return loads, served
 
 

@@ -1,6 +1,8 @@
 """Start N local loraswap replicas (each on a port the OS picks, loopback only) and HAProxy in front of them.
 
     python deploy/haproxy/front.py --replicas 3 [--front-port 50050] [-- extra `loraswap serve` flags]
+    python deploy/haproxy/front.py --front-cert f.crt --front-key f.key \
+        --replica-ca ca.pem -- --tls-cert r.crt --tls-key r.key     (TLS at the front and to the replicas)
 
 It waits until every replica answers SERVING on the gRPC health service, renders
 deploy/haproxy/haproxy.cfg for those replicas (only the `bind` and `server` lines
@@ -43,18 +45,28 @@ def render_config(
     stats_socket: Path,
     balance: str | None = None,
     balance_factor: int | None = None,
+    front_pem: Path | None = None,
+    replica_ca: Path | None = None,
+    replica_name: str = "localhost",
 ) -> str:
     """deploy/haproxy/haproxy.cfg with its bind address (`127.0.0.1:PORT`, or `fd@N` for a socket the caller
     opened), stats socket and server lines for these replicas; `balance` replaces the balance algorithm
-    (benchmarks compare `roundrobin`) and `balance_factor` the hash-balance-factor."""
+    (benchmarks compare `roundrobin`) and `balance_factor` the hash-balance-factor.
+
+    `front_pem` (certificate chain, then private key, in one PEM file) terminates TLS at the front; `replica_ca`
+    re-encrypts to replicas that serve TLS with certificates it signed for `replica_name`, health checks too."""
     text = CONFIG.read_text()
     servers = [m for m in SERVER_LINE.finditer(text)]
     if not servers or not BIND_LINE.search(text):
         raise ValueError(f"{CONFIG} has no `bind 127.0.0.1:PORT proto h2` or `server replicaN` lines to render")
     indent = servers[0].group(1)
-    lines = "\n".join(f"{indent}server replica{i} 127.0.0.1:{port}" for i, port in enumerate(replica_ports, 1))
+    tls = ""
+    if replica_ca is not None:
+        tls = f" ssl verify required ca-file {replica_ca} verifyhost {replica_name} alpn h2 check-ssl check-alpn h2"
+    lines = "\n".join(f"{indent}server replica{i} 127.0.0.1:{port}{tls}" for i, port in enumerate(replica_ports, 1))
     text = text[: servers[0].start()] + lines + text[servers[-1].end() :]
-    text = BIND_LINE.sub(lambda m: f"{m.group(1)}bind {front_bind} proto h2", text)
+    listen = "proto h2" if front_pem is None else f"ssl crt {front_pem} alpn h2"
+    text = BIND_LINE.sub(lambda m: f"{m.group(1)}bind {front_bind} {listen}", text)
     if balance is not None:
         text = BALANCE_LINE.sub(lambda m: f"{m.group(1)}balance {balance}", text)
     if balance_factor is not None:
@@ -110,16 +122,29 @@ def start_replica(serve_flags: list[str], log_path: Path, env: dict[str, str]) -
     return replica
 
 
-def wait_serving(address: str, timeout: float) -> None:
-    """Block until the gRPC health service at address answers SERVING."""
+def replica_channel(address: str, ca_pem: bytes | None = None):
+    """A blocking gRPC channel to one replica: plaintext, or TLS trusting the CA certificates in `ca_pem`."""
+    import grpc
+
+    if ca_pem is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca_pem))
+
+
+def wait_serving(address: str, timeout: float, ca_pem: bytes | None = None, replica: Replica | None = None) -> None:
+    """Block until the gRPC health service at address answers SERVING (over TLS trusting `ca_pem` if given);
+    raise at once, with the end of its log, if `replica`'s process exits first (its start-up failed)."""
     import grpc
 
     from loraswap.server.healthcheck import serving_status
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if replica is not None and replica.process.poll() is not None:
+            log = replica.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"replica {address} exited ({replica.process.returncode}) before SERVING:\n{log}")
         with contextlib.suppress(grpc.RpcError):
-            if serving_status(address, timeout=2) == "SERVING":
+            if serving_status(address, timeout=2, ca_pem=ca_pem) == "SERVING":
                 return
         time.sleep(0.2)
     raise TimeoutError(f"{address} was not SERVING within {timeout:.0f} s")
@@ -136,6 +161,12 @@ class LocalFront:
     env: dict[str, str] | None = None
     balance: str | None = None  # None: the file's (hdr(lora))
     balance_factor: int | None = None  # None: the file's
+    # TLS at the front: its certificate chain and private key (PEM files; HAProxy gets them joined in one).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # The replicas serve TLS (pass --tls-cert/--tls-key in serve_flags) with certificates this CA (PEM) signed
+    # for `localhost`: HAProxy re-encrypts to them and checks their health over TLS.
+    replica_ca: Path | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="loraswap-front-")))
     started: list[Replica] = field(default_factory=list, init=False)
     haproxy: subprocess.Popen | None = field(default=None, init=False)
@@ -166,8 +197,10 @@ class LocalFront:
         try:
             for index in range(self.replicas):
                 self.started.append(start_replica(self.serve_flags, self.workdir / f"replica{index + 1}.log", env))
+            ca_pem = None if self.replica_ca is None else self.replica_ca.read_bytes()
             for replica in self.started:
-                wait_serving(replica.address, self.ready_timeout)
+                wait_serving(replica.address, self.ready_timeout, ca_pem, replica)
+            front_pem = self._front_pem()
             # Port 0: this process binds a socket the OS gives a port to and hands HAProxy its descriptor.
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,7 +211,13 @@ class LocalFront:
             config = self.workdir / "haproxy.cfg"
             config.write_text(
                 render_config(
-                    [r.port for r in self.started], bind, self.stats_socket, self.balance, self.balance_factor
+                    [r.port for r in self.started],
+                    bind,
+                    self.stats_socket,
+                    self.balance,
+                    self.balance_factor,
+                    front_pem=front_pem,
+                    replica_ca=self.replica_ca,
                 )
             )
             with listener:
@@ -205,6 +244,23 @@ class LocalFront:
             self.stop()
             raise
 
+    def _front_pem(self) -> Path | None:
+        """The front's certificate chain and key joined in one file, readable by this user only."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both to terminate TLS at the front, or neither")
+        if self.tls_cert is None:
+            return None
+        path = self.workdir / "front.pem"
+        path.touch(mode=0o600)
+        chain = self.tls_cert.read_bytes()
+        path.write_bytes(chain + (b"" if chain.endswith(b"\n") else b"\n") + self.tls_key.read_bytes())
+        return path
+
+    def replica_channel(self, index: int):
+        """A blocking gRPC channel straight to replica `index` (0-based), past the front."""
+        ca_pem = None if self.replica_ca is None else self.replica_ca.read_bytes()
+        return replica_channel(self.started[index].address, ca_pem)
+
     def _wait_for_front(self) -> None:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -227,25 +283,36 @@ class LocalFront:
                 chunks.append(chunk)
         return b"".join(chunks).decode()
 
+    def server_stats(self) -> dict[str, dict[str, str]]:
+        """replica name -> its row of HAProxy's `show stat` by column name: `status` (UP, DOWN, MAINT, ...),
+        `scur` (calls it has now), `stot` (calls it took), `check_status` (L7OK, L4CON, ...), ..."""
+        lines = self.runtime_api("show stat").splitlines()
+        columns = lines[0].removeprefix("# ").split(",")
+        rows = (dict(zip(columns, line.split(","), strict=False)) for line in lines[1:] if line)
+        return {
+            row["svname"]: row
+            for row in rows
+            if row.get("pxname") == "loraswap_replicas" and row["svname"].startswith("replica")
+        }
+
     def server_states(self) -> dict[str, str]:
         """replica name -> HAProxy's view of it: UP, DOWN, MAINT, ..."""
-        states = {}
-        for line in self.runtime_api("show stat").splitlines():
-            parts = line.split(",")
-            if len(parts) > 17 and parts[0] == "loraswap_replicas" and parts[1].startswith("replica"):
-                states[parts[1]] = parts[17]
-        return states
+        return {name: row["status"] for name, row in self.server_stats().items()}
 
     def wait_until_up(self, timeout: float, replicas: list[str] | None = None) -> None:
-        """Block until HAProxy's health checks see these replicas (default: all) UP."""
+        """Block until HAProxy's health checks see these replicas (default: all) UP, each after a passed check
+        (HAProxy counts a server UP from the start, before its first check has run)."""
         wanted = replicas or [f"replica{i}" for i in range(1, len(self.started) + 1)]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            states = self.server_states()
-            if all(states.get(name, "").startswith("UP") for name in wanted):
+            stats = self.server_stats()
+            if all(
+                name in stats and stats[name]["status"].startswith("UP") and stats[name]["check_status"] == "L7OK"
+                for name in wanted
+            ):
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"haproxy does not see {wanted} up: {self.server_states()}")
+        raise TimeoutError(f"haproxy does not see {wanted} up: {self.server_stats()}")
 
     def stop(self) -> None:
         """SIGTERM HAProxy and every replica; kill what has not exited after a few seconds."""
@@ -264,12 +331,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--front-port", type=int, default=50050, help="0: the OS picks")
+    parser.add_argument("--front-cert", type=Path, help="PEM certificate chain: terminate TLS at the front")
+    parser.add_argument("--front-key", type=Path, help="PEM private key of --front-cert")
+    parser.add_argument(
+        "--replica-ca",
+        type=Path,
+        help="PEM CA of the replicas' certificates: they serve TLS (give --tls-cert/--tls-key after --)",
+    )
     parser.add_argument("serve_flags", nargs="*", help="flags for every `loraswap serve` (after --)")
     args = parser.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with LocalFront(replicas=args.replicas, serve_flags=args.serve_flags, front_port=args.front_port) as front:
+    front = LocalFront(
+        replicas=args.replicas,
+        serve_flags=args.serve_flags,
+        front_port=args.front_port,
+        tls_cert=args.front_cert,
+        tls_key=args.front_key,
+        replica_ca=args.replica_ca,
+    )
+    with front:
         print(json.dumps({"front": front.address, "replicas": [r.address for r in front.started],
                           "workdir": str(front.workdir)}), flush=True)  # fmt: skip
         stop.wait()

@@ -391,3 +391,18 @@ def test_hub_revision_cannot_leave_the_repo_cache(hub_cache: Path, tmp_path: Pat
     (hub_cache / "planted").write_text(V1_COMMIT)
     with pytest.raises(AdapterNameError):
         _hub_sources(None).resolve("owner/name@../../planted")
+
+
+@pytest.mark.parametrize(
+    ("name", "has_card"),
+    [("owner/name", True), ("owner/name:style.safetensors", True), ("owner/name@v1", False)],
+)
+def test_hub_adapters_bring_their_repos_model_card(hub_cache: Path, tmp_path: Path, name: str, has_card: bool) -> None:
+    """The repo's README.md (where a base model may be declared) comes from the same cache, offline; none is none."""
+    card_text = "---\nbase_model: black-forest-labs/FLUX.1-dev\n---\n"
+    (hub_cache / "models--owner--name" / "snapshots" / MAIN_COMMIT / "README.md").write_text(card_text)
+    found = _hub_sources(tmp_path / "no-such-dir").resolve(name)
+    if has_card:
+        assert found.model_card is not None and found.model_card.read_text() == card_text
+    else:
+        assert found.model_card is None

@@ -11,13 +11,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def serving_status(target: str, timeout: float = 5.0) -> str:
-    """The server's overall health status name (SERVING, NOT_SERVING, ...), asked once over plaintext.
+def serving_status(target: str, timeout: float = 5.0, ca_pem: bytes | None = None) -> str:
+    """The server's overall health status name (SERVING, NOT_SERVING, ...), asked once over plaintext, or over
+    TLS trusting the CA certificates in `ca_pem` when given.
 
     Raises:
         grpc.RpcError: the server could not be asked.
     """
-    with grpc.insecure_channel(target) as channel:
+    if ca_pem is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca_pem))
+    with channel:
         response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 

@@ -24,6 +24,8 @@ from loraswap.server.engine.errors import (
 )
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+# A Hugging Face model card; its YAML front matter may declare the adapter's base model.
+MODEL_CARD_NAME = "README.md"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _SEGMENT = r"[A-Za-z0-9._-]+"
 _LOCAL_NAME = re.compile(rf"{_SEGMENT}(/{_SEGMENT})*")
@@ -44,6 +46,8 @@ class AdapterFile:
     source: str  # shown to callers: relative to the adapter directory, never a server path
     # The size limit checked when the file was found, checked again by whoever reads it (it may have grown since).
     max_bytes: int = field(default=0, compare=False)
+    # The model card beside the weights (the adapter's folder, the Hub repo's README.md), if there is one.
+    model_card: Path | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,21 @@ class LocalAdapterDirectory:
             )
         _check_size(real, self.max_adapter_bytes)
         return AdapterFile(
-            name=name, path=real, source=str(real.relative_to(self.root)), max_bytes=self.max_adapter_bytes
+            name=name,
+            path=real,
+            source=str(real.relative_to(self.root)),
+            max_bytes=self.max_adapter_bytes,
+            model_card=self._model_card(real.parent),
         )
+
+    def _model_card(self, folder: Path) -> Path | None:
+        """The README.md of an adapter's own folder; the directory's root holds many adapters, so none of theirs."""
+        card = folder / MODEL_CARD_NAME
+        try:
+            inside = folder != self.root and card.is_file() and card.resolve().is_relative_to(self.root)
+        except (OSError, RuntimeError):  # a card that cannot be resolved is no card; the weights still load
+            inside = False
+        return card if inside else None
 
 
 class HubAdapterSource:
@@ -226,11 +243,15 @@ class HubAdapterSource:
                         reason=ErrorReason.ADAPTER_PICKLE_REFUSED,
                     )
                 path = Path(hf_hub_download(ref.repo_id, ref.weight_name, revision=ref.revision))
+                card = _hub_model_card(ref)
             else:
                 folder = Path(
-                    snapshot_download(ref.repo_id, revision=ref.revision, allow_patterns=["*.safetensors", "*.bin"])
+                    snapshot_download(
+                        ref.repo_id, revision=ref.revision, allow_patterns=["*.safetensors", "*.bin", MODEL_CARD_NAME]
+                    )
                 )
                 path = pick_weight_file(folder, name)
+                card = folder / MODEL_CARD_NAME
         except HFValidationError as exc:
             raise AdapterNameError(f"{shorten(name)!r} is not a valid Hub reference: {shorten(exc)}") from exc
         except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError, LocalEntryNotFoundError) as exc:
@@ -240,8 +261,24 @@ class HubAdapterSource:
         _check_size(path, self.max_adapter_bytes)
         revision = ref.revision or "main"
         return AdapterFile(
-            name=name, path=path, source=f"hf://{ref.repo_id}@{revision}/{path.name}", max_bytes=self.max_adapter_bytes
+            name=name,
+            path=path,
+            source=f"hf://{ref.repo_id}@{revision}/{path.name}",
+            max_bytes=self.max_adapter_bytes,
+            model_card=card if card is not None and card.is_file() else None,
         )
+
+
+def _hub_model_card(ref: HubRef) -> Path | None:
+    """The repo's README.md (one small file, from the Hub cache when it is there), or None."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(ref.repo_id, MODEL_CARD_NAME, revision=ref.revision))
+    # The card is optional: a repo without one, an offline cache without it or a network error only mean
+    # no declaration to check; the weights were found, and that is what the request needs.
+    except Exception:  # noqa: BLE001 - huggingface_hub and its HTTP client raise many kinds; all mean "no card"
+        return None
 
 
 class AdapterSources:

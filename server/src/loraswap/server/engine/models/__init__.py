@@ -5,7 +5,13 @@ Light to import: torch and diffusers load when a pipeline is built.
 
 from __future__ import annotations
 
-from loraswap.server.engine.models.loading import default_dtype, generation_defaults, load_pipeline
+from loraswap.server.engine.models.loading import (
+    default_dtype,
+    generation_defaults,
+    latent_rgb,
+    load_pipeline,
+    served_base_model,
+)
 from loraswap.server.engine.models.registry import (
     BUILTINS,
     GENERATION_DEFAULTS_FILE,
@@ -21,6 +27,8 @@ __all__ = [
     "builtin_model",
     "default_dtype",
     "generation_defaults",
+    "latent_rgb",
     "load_pipeline",
     "save_model_folder",
+    "served_base_model",
 ]

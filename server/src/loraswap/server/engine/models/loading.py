@@ -11,7 +11,7 @@ from pathlib import Path
 
 from loraswap.server.engine.families import family_of
 from loraswap.server.engine.models.registry import BUILTINS, GENERATION_DEFAULTS_FILE, layers_refused
-from loraswap.server.engine.types import ModelDefaults
+from loraswap.server.engine.types import LatentRgb, ModelDefaults
 
 
 def load_pipeline(model: str, torch_dtype, layers: int | None = None):
@@ -41,9 +41,38 @@ def generation_defaults(model: str, pipe) -> ModelDefaults:
     return family_of(pipe).published_defaults(pipe)
 
 
+def served_base_model(model: str) -> str:
+    """The base model `model` serves, in the vocabulary adapters declare theirs (adapters/base_model.py).
+
+    A built-in model's registered base; a diffusers folder's `_name_or_path` in its model_index.json (what it
+    was saved from, where it says so), else the folder's name; a Hub id is its own base.
+    """
+    builtin = BUILTINS.get(model)
+    if builtin is not None:
+        return builtin.base_model
+    folder = Path(model)
+    if not folder.is_dir():
+        return model
+    try:
+        declared = json.loads((folder / "model_index.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    if isinstance(declared, str) and declared.strip() and not Path(declared).is_absolute():
+        return declared.strip()
+    return folder.resolve().name
+
+
 def default_dtype(model: str, device_type: str) -> str:
     """The dtype `model` serves in on a `device_type` device when --dtype is unset."""
     builtin = BUILTINS.get(model)
     if builtin is not None and builtin.dtype is not None:
         return builtin.dtype
     return "bfloat16" if device_type == "cuda" else "float32"
+
+
+def latent_rgb(model: str, pipe) -> LatentRgb:
+    """The step previews' latent-to-RGB projection: the built-in's own, else the family's published one."""
+    builtin = BUILTINS.get(model)
+    if builtin is not None and builtin.latent_rgb is not None:
+        return builtin.latent_rgb
+    return family_of(pipe).latent_rgb
