@@ -14,7 +14,11 @@ What it measures, in order (see BENCHMARKS.md for what each figure means):
    (both adapters in the host cache, same prompt, seed and size);
 5. throughput of `--clients` concurrent clients (one channel each) sending a
    Zipf-distributed mix over `--adapters` adapters, all preloaded;
-6. the server's recompilation count over the whole run.
+6. the server's recompilation count over the whole run;
+7. step previews: per-step time with a preview every step (preview_every=1) against
+   none, alternating requests, same adapter resident; `--previews-only` measures
+   just that (no direct baseline, change/keep or throughput runs), to keep the
+   full-size random models bounded.
 
 Random full-size models are exported to a temporary diffusers folder that the
 server loads with `--model DIR` (the real denoiser; tiny text encoders and VAE).
@@ -108,6 +112,44 @@ def write_adapters(pipe, adapter_dir: Path, count: int, rank: int) -> tuple[floa
         )
         size = path.stat().st_size
     return time.perf_counter() - started, size
+
+
+def measure_preview_cost(pipe, model: str, args, repeats: int = 50) -> dict:
+    """What one step preview costs on its own, in this process, at --size and at 1024 px: project, copy, encode.
+
+    The same code the server's step callback runs (engine/previews.py), on latents of the pipeline's shape
+    (Flux's packed), so the figure holds even when a busy machine blurs the A/B comparison of whole steps.
+    """
+    import torch
+
+    from loraswap.server.engine.families import family_of
+    from loraswap.server.engine.models import latent_rgb
+    from loraswap.server.engine.previews import LatentPreviewer
+    from loraswap.server.engine.request_rules import RequestRules
+    from loraswap.server.engine.types import GenerationRequest, ModelDefaults
+
+    traits = family_of(pipe)
+    channels, factor = pipe.vae.config.latent_channels, pipe.vae_scale_factor
+    previewer = LatentPreviewer(
+        latent_rgb(model, pipe), channels, torch.device("cpu"),
+        lambda latents, height, width: traits.spatial_latents(pipe, latents, height, width),
+    )  # fmt: skip
+    rules = RequestRules(ModelDefaults(64, 64, 4, 1.0), size_multiple=16, min_size=16, max_size=4096)
+    costs = {}
+    for size in (args.size, 1024):
+        side = size // factor
+        latents = torch.randn(1, channels, side, side, dtype=getattr(torch, args.dtype))
+        if traits.family.value == "flux":
+            latents = pipe._pack_latents(latents, 1, channels, side, side)
+        params = rules.resolve(GenerationRequest(prompt="p", width=size, height=size, preview_every=1))
+        previewer.encode(latents, params)
+        timings = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            previewer.encode(latents, params)
+            timings.append(time.perf_counter() - started)
+        costs[f"preview_ms_at_{size}px"] = statistics.median(timings) * 1000.0
+    return costs
 
 
 def engine_config(args, model: str, adapter_dir: Path):
@@ -226,20 +268,24 @@ class ServerProcess:
 # --------------------------------------------------------------------------- the client side (no torch)
 
 
-async def timed_request(client, adapter: str, args) -> dict:
+async def timed_request(client, adapter: str, args, preview_every: int = 0) -> dict:
     """One Generate call: when it was sent, when each Progress arrived, when the image arrived."""
     from loraswap.client import GeneratedImage, Progress
 
     sent = time.perf_counter()
     progress_at: list[float] = []
     progress_ms: list[float] = []
+    preview_bytes: list[int] = []
     image = None
     async for event in client.generate(
-        PROMPT, adapter=adapter, seed=0, num_inference_steps=args.steps, width=args.size, height=args.size
-    ):
+        PROMPT, adapter=adapter, seed=0, num_inference_steps=args.steps, width=args.size, height=args.size,
+        preview_every=preview_every,
+    ):  # fmt: skip
         if isinstance(event, Progress):
             progress_at.append(time.perf_counter())
             progress_ms.append(event.elapsed_ms)
+            if event.preview:
+                preview_bytes.append(len(event.preview))
         elif isinstance(event, GeneratedImage):
             image = event
     done = time.perf_counter()
@@ -251,6 +297,39 @@ async def timed_request(client, adapter: str, args) -> dict:
         "client_steps_s": [b - a for a, b in itertools.pairwise(progress_at)],
         "server_steps_s": [(b - a) / 1000.0 for a, b in itertools.pairwise(progress_ms)],
         "swap_ms": image.timings.adapter_swap_ms,
+        "preview_bytes": preview_bytes,
+    }
+
+
+async def measure_previews(client, args) -> dict:
+    """Per-step time with a preview every step against none: alternating requests, same adapter resident.
+
+    A step's time is the difference of consecutive Progress.elapsed_ms (the server's clock): step k's
+    preview is made between them, so every difference holds one preview and one denoising step.
+    """
+    adapter = adapter_name(0)
+    await timed_request(client, adapter, args, preview_every=1)  # warm: the first preview's one-time costs
+    plain, previewed, client_plain, client_previewed, sizes = [], [], [], [], []
+    for _ in range(args.repeats):
+        without = await timed_request(client, adapter, args)
+        with_previews = await timed_request(client, adapter, args, preview_every=1)
+        if len(with_previews["preview_bytes"]) != args.steps:
+            raise RuntimeError(f"asked for a preview every step, got {len(with_previews['preview_bytes'])}")
+        plain += without["server_steps_s"]
+        previewed += with_previews["server_steps_s"]
+        client_plain += without["client_steps_s"]
+        client_previewed += with_previews["client_steps_s"]
+        sizes += with_previews["preview_bytes"]
+    plain_step, previewed_step = summarize(plain), summarize(previewed)
+    overhead = ratio(previewed_step["median_s"], plain_step["median_s"])
+    log(f"previews: step {plain_step['median_s']:.4f} s without, {previewed_step['median_s']:.4f} s with "
+        f"(x{overhead:.3f})")  # fmt: skip
+    return {
+        "step_without": plain_step,
+        "step_with_every_step": previewed_step,
+        "with_over_without": overhead,
+        "client_with_over_without": ratio(statistics.median(client_previewed), statistics.median(client_plain)),
+        "preview_bytes_median": statistics.median(sizes),
     }
 
 
@@ -277,6 +356,12 @@ async def measure_server(args, port: int) -> dict:
             client_steps += record["client_steps_s"]
             server_steps += record["server_steps_s"]
         log(f"first progress {statistics.median(firsts):.3f} s; streamed step {statistics.median(client_steps):.3f} s")
+        previews = await measure_previews(client, args)
+        if args.previews_only:
+            info = await client.server_info()
+            return {"preload_s": preload_s, "first_progress": summarize(firsts), "client_steps": client_steps,
+                    "server_steps": server_steps, "previews": previews, "throughput": None,
+                    "recompilations_before": recompilations_before, "recompilations": info.recompilations}  # fmt: skip
 
         # Change versus keep, alternating B B A A B B ...: every first of a pair swaps, every second keeps.
         change, keep, change_swap_ms = [], [], []
@@ -301,6 +386,7 @@ async def measure_server(args, port: int) -> dict:
         "keep": keep,
         "change_swap_ms": change_swap_ms,
         "throughput": throughput,
+        "previews": previews,
         "recompilations_before": recompilations_before,
         "recompilations": info.recompilations,
     }
@@ -369,6 +455,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-backend", default="aot_eager", help="the server's torch.compile backend; 'none'")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch CPU threads (server and direct)")
     parser.add_argument("--skip-direct", action="store_true", help="skip the in-process baseline")
+    parser.add_argument(
+        "--previews-only", action="store_true",
+        help="measure only the step previews' cost (no direct baseline, change/keep or throughput runs)",
+    )  # fmt: skip
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
     if args.dtype is None:
@@ -399,10 +489,12 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"preparing {args.model}")
         model, pipe, model_s = prepare_model(args, workdir)
         write_s, adapter_file_bytes = write_adapters(pipe, adapter_dir, args.adapters, args.rank)
+        preview_cost = measure_preview_cost(pipe, args.model, args)
+        log(f"one preview on its own: {preview_cost}")
         del pipe
         gc.collect()
         direct = None
-        if not args.skip_direct:
+        if not (args.skip_direct or args.previews_only):
             log("direct: the engine runtime in this process")
             direct = measure_direct(args, model, adapter_dir)
             log(f"direct: step {direct['step']['median_s']:.3f} s, request {direct['request']['median_s']:.3f} s")
@@ -417,7 +509,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     streamed_step = summarize(measured["client_steps"])
     server_step = summarize(measured["server_steps"])
-    change, keep = summarize(measured["change"]), summarize(measured["keep"])
+    adapter_change = None
+    if not args.previews_only:
+        change, keep = summarize(measured["change"]), summarize(measured["keep"])
+        adapter_change = {
+            "change": change,
+            "keep": keep,
+            "change_over_keep": ratio(change["median_s"], keep["median_s"]),
+            "server_swap": summarize([ms / 1000.0 for ms in measured["change_swap_ms"]]),
+        }
     result = {
         "benchmark": "serve",
         "model": args.model,
@@ -440,13 +540,14 @@ def main(argv: list[str] | None = None) -> dict:
             "streamed_over_direct": ratio(streamed_step["median_s"], direct["step"]["median_s"]) if direct else None,
         },
         "direct_request": direct["request"] if direct else None,
-        "adapter_change": {
-            "change": change,
-            "keep": keep,
-            "change_over_keep": ratio(change["median_s"], keep["median_s"]),
-            "server_swap": summarize([ms / 1000.0 for ms in measured["change_swap_ms"]]),
-        },
+        "adapter_change": adapter_change,
         "throughput": measured["throughput"],
+        "previews": {
+            **measured["previews"],
+            **preview_cost,
+            # The preview's own cost against the streamed step it is added to (robust to a busy machine).
+            "preview_over_step": preview_cost[f"preview_ms_at_{args.size}px"] / 1000.0 / streamed_step["median_s"],
+        },
         "recompilations": measured["recompilations"] + (direct["recompilations"] if direct else 0),
         "recompilations_server": measured["recompilations"],
         "recompilations_direct": direct["recompilations"] if direct else None,

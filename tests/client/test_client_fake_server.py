@@ -538,9 +538,7 @@ async def test_cli_generate_writes_image_and_prints_summary(
         "warnings": ["dropped 4 text-encoder layers"],
         "adapters": [{"adapter": "styles/ink", "scale": 0.8}],
     }
-    assert "\rqueued: position 2" in captured.err
-    assert "\r[" + "#" * 30 + "] 3/3 steps" in captured.err
-    assert captured.err.endswith("\n")
+    assert captured.err == ""  # stderr is not a terminal here: the progress bar stays quiet
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The client alone, at its declared floor versions, in a fresh virtual environment, against a real server.
 
 `pip install ./client` with exactly the floors client/pyproject.toml declares for grpcio,
-protobuf and googleapis-common-protos must give a working client: the generated stubs
+protobuf, googleapis-common-protos and tqdm must give a working client: the generated stubs
 import (they refuse an older grpcio or protobuf than the tools that made them), nothing
 heavy is installed, `loraswap generate -o out.png` writes the served image, `loraswap
 serve` names the package to install, and the client's own tests pass there.
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client"
-FLOORED = ("grpcio", "protobuf", "googleapis-common-protos")
+FLOORED = ("grpcio", "protobuf", "googleapis-common-protos", "tqdm")
 HEAVY = ("torch", "diffusers", "transformers", "numpy", "pillow", "peft", "safetensors")
 # Test tools for tests/client inside the client-only environment (grpcio-status at the grpcio floor).
 CLIENT_TEST_TOOLS = ("pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3")

@@ -94,6 +94,10 @@ def test_serve_benchmark_prints_latency_and_throughput():
     assert change["server_swap"]["min_s"] > 0  # every "change" request really swapped
     throughput = report["throughput"]
     assert throughput["requests"] == 6 and throughput["clients"] == 3 and throughput["images_per_s"] > 0
+    previews = report["previews"]
+    assert_summary(previews["step_without"], 2 * 2)
+    assert_summary(previews["step_with_every_step"], 2 * 2)
+    assert previews["with_over_without"] > 0 and previews["preview_bytes_median"] > 0
     assert report["recompilations"] == 0
 
 

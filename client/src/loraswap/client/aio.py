@@ -76,12 +76,14 @@ def build_generate_request(
     negative_prompt: str = "",
     image_format: ImageFormat = "png",
     adapters: AdapterStack = (),
+    preview_every: int = 0,
 ) -> pb.GenerateRequest:
     """Builds a GenerateRequest; arguments left as None stay unset so the server applies its defaults.
 
     ``adapters`` stacks several adapters, each at its own strength, e.g.
     ``[("ink", 0.8), ("paper", 0.5)]``; the server refuses it together with
-    ``adapter`` or ``adapter_scale``.
+    ``adapter`` or ``adapter_scale``. ``preview_every`` N > 0 asks for a preview picture in the
+    ``Progress`` event of every N-th step and of the last (0: none).
 
     Raises:
         InvalidRequest: an argument cannot be encoded (unknown image format,
@@ -110,6 +112,7 @@ def build_generate_request(
             adapter=adapter,
             adapters=[_stacked_adapter_pb(entry) for entry in adapters],
             image_format=encoded_format,
+            preview_every=preview_every,
             **{name: value for name, value in optional_fields.items() if value is not None},
         )
     except (TypeError, ValueError) as exc:
@@ -211,6 +214,7 @@ class AsyncLoraswapClient:
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
         adapters: AdapterStack = (),
+        preview_every: int = 0,
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> AsyncGenerator[Event, None]:
         """Generates one image, yielding ``Queued`` and ``Progress`` events as they arrive, then the ``GeneratedImage``.
@@ -219,6 +223,8 @@ class AsyncLoraswapClient:
         ``adapter`` (with ``adapter_scale``) applies one adapter; ``adapters``
         stacks several, each at its own strength, e.g.
         ``adapters=[("ink", 0.8), ("paper", 0.5)]`` (not both).
+        ``preview_every=N`` puts a small preview picture in the ``Progress`` event of
+        every N-th step and of the last (``Progress.preview``).
         Leaving the loop early (``break``) or cancelling the consuming task
         cancels the RPC, which stops the generation on the server; wrap the
         iterator in ``contextlib.aclosing`` to make that happen at the
@@ -239,6 +245,7 @@ class AsyncLoraswapClient:
             negative_prompt=negative_prompt,
             image_format=image_format,
             adapters=adapters,
+            preview_every=preview_every,
         )
         deadline = _Deadline(self._deadline(timeout))
         while True:
@@ -283,6 +290,7 @@ class AsyncLoraswapClient:
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
         adapters: AdapterStack = (),
+        preview_every: int = 0,
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> GeneratedImage:
         """Generates one image and returns it, calling ``on_progress`` with each completed step.
@@ -304,6 +312,7 @@ class AsyncLoraswapClient:
             negative_prompt=negative_prompt,
             image_format=image_format,
             adapters=adapters,
+            preview_every=preview_every,
             timeout=timeout,
         )
         image: GeneratedImage | None = None

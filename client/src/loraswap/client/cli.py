@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from tqdm import tqdm
+
 from loraswap.client.aio import DEFAULT_TARGET, ImageFormat, missing_image_error
 from loraswap.client.connection import TlsConfig
 from loraswap.client.errors import InvalidRequest, LoraswapError
@@ -114,6 +116,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="where to write the image (default: ./loraswap-SEED.EXT)",
     )
+    generate.add_argument(
+        "--preview",
+        type=Path,
+        metavar="DIR",
+        help="ask for a preview of every step and write them to DIR as step-0001.jpg, ... (default: none)",
+    )
     generate.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     generate.set_defaults(func=run_generate)
 
@@ -203,33 +211,30 @@ def _print_json(value: object, *, indent: int | None = 2) -> None:
 
 
 class ProgressBar:
-    """A one-line text progress bar, redrawn in place with a carriage return."""
+    """A generation's progress as a tqdm bar: "loading adapter" or the queue position, then the steps.
 
-    def __init__(self, stream: TextIO, *, width: int = 30) -> None:
-        self._stream = stream
-        self._width = width
-        self._drawn_length = 0
+    It draws nothing when the stream is not a terminal (tqdm's ``disable=None``), so logs and pipes stay clean.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        # While waiting there is nothing to count: the line is the description alone until the first step.
+        self._bar = tqdm(file=stream, disable=None, unit="step", dynamic_ncols=True, bar_format="{desc}")
 
     def show(self, event: Queued | Progress) -> None:
-        """Redraws the line for a queue position or a completed step."""
+        """Redraws the bar for a queue event or a completed step."""
         if isinstance(event, Queued):
-            line = f"queued: position {event.position}"
-        else:
-            total = max(event.total_steps, 1)
-            filled = self._width * min(event.step, total) // total
-            bar = "#" * filled + "-" * (self._width - filled)
-            line = f"[{bar}] {event.step}/{event.total_steps} steps  {event.elapsed_ms / 1000:.1f} s"
-        # Padding blanks out the rest of a longer line drawn before.
-        self._stream.write("\r" + line.ljust(self._drawn_length))
-        self._stream.flush()
-        self._drawn_length = len(line)
+            waiting = "loading adapter" if event.loading_adapter else f"queued: position {event.position}"
+            self._bar.set_description_str(waiting)
+            return
+        if self._bar.total != event.total_steps:
+            self._bar.bar_format = None  # tqdm's own bar, counts, elapsed time and rate
+            self._bar.set_description_str("denoising", refresh=False)
+            self._bar.reset(total=event.total_steps)
+        self._bar.update(event.step - self._bar.n)
 
     def finish(self) -> None:
-        """Ends the line so that later output starts on a fresh one."""
-        if self._drawn_length:
-            self._stream.write("\n")
-            self._stream.flush()
-            self._drawn_length = 0
+        """Ends the bar's line so that later output starts on a fresh one."""
+        self._bar.close()
 
 
 def _image_format(args: argparse.Namespace) -> ImageFormat:
@@ -260,6 +265,13 @@ def _image_summary(image: GeneratedImage, output: Path) -> dict[str, object]:
 def run_generate(args: argparse.Namespace) -> int:
     """``loraswap generate``: streams one generation, writes the image, prints a JSON summary."""
     adapter_fields = _adapter_fields(args)
+    if args.preview is not None:
+        try:
+            args.preview.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"error: cannot make the preview folder {args.preview}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_FAILED
+    previews: list[str] = []
     progress_bar = None if args.quiet else ProgressBar(sys.stderr)
     image: GeneratedImage | None = None
     with _connect(args) as client:
@@ -274,10 +286,20 @@ def run_generate(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 negative_prompt=args.negative_prompt,
                 image_format=_image_format(args),
+                preview_every=1 if args.preview is not None else 0,
             ):
                 if isinstance(event, GeneratedImage):
                     image = event
-                elif progress_bar is not None:
+                    continue
+                if isinstance(event, Progress) and event.preview and args.preview is not None:
+                    path = args.preview / f"step-{event.step:04d}.{event.preview_extension}"
+                    try:
+                        path.write_bytes(event.preview)
+                    except OSError as exc:
+                        print(f"error: cannot write the preview {path}: {exc.strerror or exc}", file=sys.stderr)
+                        return EXIT_FAILED
+                    previews.append(str(path))
+                if progress_bar is not None:
                     progress_bar.show(event)
         finally:
             if progress_bar is not None:
@@ -290,7 +312,10 @@ def run_generate(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot write the image to {output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_FAILED
-    _print_json(_image_summary(image, output), indent=None)
+    summary = _image_summary(image, output)
+    if args.preview is not None:
+        summary["previews"] = previews
+    _print_json(summary, indent=None)
     return EXIT_OK
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from loraswap.client import cli as client_cli
 
 COMMAND_GROUP = "loraswap.commands"
+CLIENT_DISTRIBUTION = "loraswap-client"
 SERVER_DISTRIBUTION = "loraswap-server"
 SERVER_COMMANDS = ("serve", "demo", "export-model", "make-adapter")
 EXIT_USAGE = 2
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loraswap", description="A client (and, when installed, the server) of loraswap."
     )
+    parser.add_argument("--version", action="version", version=version_text())
     subparsers = parser.add_subparsers(dest="command", required=True)
     client_cli.register(subparsers)
     for entry_point in sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name):
@@ -35,6 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name not in subparsers.choices:
             _register_missing(subparsers, name)
     return parser
+
+
+def version_text() -> str:
+    """``loraswap-client X`` and, when the server distribution is installed, ``, loraswap-server Y``."""
+    parts = []
+    for distribution in (CLIENT_DISTRIBUTION, SERVER_DISTRIBUTION):
+        try:
+            parts.append(f"{distribution} {version(distribution)}")
+        except PackageNotFoundError:
+            if distribution == CLIENT_DISTRIBUTION:
+                parts.append(f"{distribution} (not installed: running from a source tree)")
+    return ", ".join(parts)
 
 
 def _register_missing(subparsers: argparse._SubParsersAction, name: str) -> None:

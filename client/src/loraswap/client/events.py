@@ -32,28 +32,52 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Queued:
-    """The request is waiting; ``position`` 1 means it runs next."""
+    """The request is waiting; ``position`` 1 means it runs next.
+
+    ``loading_adapter`` is true while the server is still fetching, reading or converting the request's adapter
+    (``position`` is 0 then): "loading adapter", not "waiting for the pipeline".
+    """
 
     position: int
+    loading_adapter: bool = False
 
     @classmethod
     def from_pb(cls, message: pb.Queued) -> Queued:
         """Converts a ``loraswap.v1.Queued`` message."""
-        return cls(position=message.position)
+        return cls(position=message.position, loading_adapter=message.loading_adapter)
 
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """Denoising step ``step`` of ``total_steps`` has completed."""
+    """Denoising step ``step`` of ``total_steps`` has completed.
+
+    With ``preview_every`` in the request, every that many steps and at the last, ``preview`` holds a
+    small encoded picture of the image being formed (at most 256 px on its longer side, the image's
+    aspect ratio) and ``preview_mime_type`` its type; both are empty on the other steps.
+    """
 
     step: int
     total_steps: int
     elapsed_ms: float
+    # Kept out of repr so that printing an event does not dump the picture's bytes.
+    preview: bytes = field(default=b"", repr=False)
+    preview_mime_type: str = ""
 
     @classmethod
     def from_pb(cls, message: pb.Progress) -> Progress:
         """Converts a ``loraswap.v1.Progress`` message."""
-        return cls(step=message.step, total_steps=message.total_steps, elapsed_ms=message.elapsed_ms)
+        return cls(
+            step=message.step,
+            total_steps=message.total_steps,
+            elapsed_ms=message.elapsed_ms,
+            preview=message.preview,
+            preview_mime_type=message.preview_mime_type,
+        )
+
+    @property
+    def preview_extension(self) -> str:
+        """The usual file extension for ``preview_mime_type``, without the dot ("" when there is no preview)."""
+        return _EXTENSION_BY_MIME_TYPE.get(self.preview_mime_type, "bin") if self.preview else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +243,7 @@ class AdapterInfo:
     resident: bool
     load_ms: float
     warnings: tuple[str, ...]
+    pinned: bool = False  # kept out of the server's LRU eviction (--pin)
 
     @classmethod
     def from_pb(cls, message: pb.AdapterInfo) -> AdapterInfo:
@@ -234,6 +259,7 @@ class AdapterInfo:
             resident=message.resident,
             load_ms=message.load_ms,
             warnings=tuple(message.warnings),
+            pinned=message.pinned,
         )
 
 
@@ -299,6 +325,8 @@ class ServerInfo:
     default_guidance_scale: float
     resident_adapters: tuple[str, ...] = ()  # every adapter in the slot (a stack's members), by name
     max_stack: int = 0  # most adapters one request may stack; 0 from a server without stacks
+    rank_buckets: tuple[int, ...] = ()  # the ranks the slot computes at (a request pays its bucket); () if unsaid
+    compile_mode: str = ""  # "full/default", "regional/max-autotune", "none"; "" from a server that does not say
 
     @classmethod
     def from_pb(cls, message: pb.GetServerInfoResponse) -> ServerInfo:
@@ -322,4 +350,6 @@ class ServerInfo:
             default_guidance_scale=_float32_as_written(message.default_guidance_scale),
             resident_adapters=tuple(message.resident_adapters),
             max_stack=message.max_stack,
+            rank_buckets=tuple(message.rank_buckets),
+            compile_mode=message.compile_mode,
         )

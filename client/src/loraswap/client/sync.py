@@ -132,6 +132,7 @@ class LoraswapClient:
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
         adapters: AdapterStack = (),
+        preview_every: int = 0,
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> Iterator[Event]:
         """Generates one image, yielding ``Queued`` and ``Progress`` events as they arrive, then the ``GeneratedImage``.
@@ -162,6 +163,7 @@ class LoraswapClient:
                 negative_prompt=negative_prompt,
                 image_format=image_format,
                 adapters=adapters,
+                preview_every=preview_every,
                 timeout=timeout,
             )
             async with contextlib.aclosing(stream):
@@ -195,6 +197,7 @@ class LoraswapClient:
         negative_prompt: str = "",
         image_format: ImageFormat = "png",
         adapters: AdapterStack = (),
+        preview_every: int = 0,
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
     ) -> GeneratedImage:
         """Generates one image and returns it, calling ``on_progress`` (in this thread) with each completed step.
@@ -215,6 +218,7 @@ class LoraswapClient:
             negative_prompt=negative_prompt,
             image_format=image_format,
             adapters=adapters,
+            preview_every=preview_every,
             timeout=timeout,
         ):
             if isinstance(event, GeneratedImage):

@@ -15,6 +15,8 @@ from loraswap.client.connection import server_keepalive_options
 from loraswap.server.access import AccessTokens
 from loraswap.server.config import Settings, SettingsError
 from loraswap.server.engine.diffusion_engine import DiffusionEngine
+from loraswap.server.observability.observers import ServerObservers
+from loraswap.server.transport.call_watch import CallWatchInterceptor
 from loraswap.server.transport.server_credentials import ReloadableServerCredentials
 from loraswap.server.transport.servicer import DiffusionServicer, add_diffusion_service
 from loraswap.server.transport.token_auth import TokenAuthInterceptor
@@ -43,6 +45,8 @@ class RunningServer:
     warming: asyncio.Future | None = None  # set when start_server did not wait for SERVING
     credentials: ReloadableServerCredentials | None = None  # with --tls-cert
     tokens: AccessTokens | None = None  # with --auth-token-file
+    observers: ServerObservers | None = None  # metrics, access log, traces
+    metrics_port: int | None = None  # where /metrics is served (with --metrics-port; the bound port when 0)
 
     def reload_credentials(self) -> None:
         """Re-read the TLS files and the token file (on SIGHUP); whatever is unusable keeps its previous contents."""
@@ -68,6 +72,8 @@ class RunningServer:
         # A moment for the aborted streams' statuses to reach their clients.
         await self.server.stop(SHUTDOWN_FLUSH_S)
         await self.engine.stop(timeout=SHUTDOWN_FLUSH_S)
+        if self.observers is not None:
+            await asyncio.to_thread(self.observers.close)
 
 
 async def start_server(
@@ -78,7 +84,8 @@ async def start_server(
     `engine` serves in place of one built from `settings.engine` (tests pass doubles).
 
     Raises:
-        SettingsError: a TLS file or the token file is unreadable or unusable.
+        SettingsError: a TLS file or the token file is unreadable or unusable, or --otlp-endpoint is given
+            without the `otlp` extra.
     """
     credentials = (
         ReloadableServerCredentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
@@ -86,9 +93,12 @@ async def start_server(
         else None
     )
     tokens = AccessTokens(settings.auth_token_file) if settings.auth_token_file is not None else None
-    engine = engine if engine is not None else DiffusionEngine(settings.engine)
+    observers = ServerObservers(settings)
+    engine = engine if engine is not None else DiffusionEngine(settings.engine, observers.engine_observer)
+    observers.watch_engine(engine)
     server = grpc.aio.server(
-        interceptors=[TokenAuthInterceptor(tokens)] if tokens is not None else None,
+        # Outermost first: calls the token check refuses are counted and logged too.
+        interceptors=[CallWatchInterceptor(observers), *([TokenAuthInterceptor(tokens)] if tokens is not None else [])],
         options=[
             ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
@@ -110,12 +120,15 @@ async def start_server(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    observers.start()
     running = RunningServer(
-        server=server, engine=engine, health=health_servicer, port=port, credentials=credentials, tokens=tokens
-    )
+        server=server, engine=engine, health=health_servicer, port=port, credentials=credentials, tokens=tokens,
+        observers=observers, metrics_port=observers.metrics_port,
+    )  # fmt: skip
 
     async def become_serving() -> None:
         await engine.start()
+        observers.serving(engine.describe())
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on port %d", settings.engine.model, port)

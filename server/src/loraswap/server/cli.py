@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from loraswap.server.config import SettingsError, add_serve_arguments, settings_from_args
+from loraswap.server.engine.errors import StartupError
 
 EXIT_BAD_SETTINGS = 2
 
@@ -20,14 +20,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; exit 0 after a graceful drain, 2 (one line on stderr) for unusable settings."""
+    """Serve until SIGTERM/SIGINT; exit 0 after a graceful drain, 2 (one line on stderr) for unusable settings
+    (and for --preload / --pin adapters it cannot load)."""
     from loraswap.server.app import serve
+    from loraswap.server.observability.log_format import configure_logging
 
     try:
         settings = settings_from_args(args)
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(settings.log_level, settings.log_format)
         asyncio.run(serve(settings))
-    except SettingsError as error:
+    except (SettingsError, StartupError) as error:
         print(f"loraswap serve: {error}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     return 0

@@ -7,7 +7,8 @@ and writing each image. On `shapes` (the default) the adapters are the shipped
 `outline` and `swap-colors`, so the restyling shows in the pictures; on the
 random-weight models two random adapters are written with PEFT first. It prints
 one JSON summary, which ends with the number of graph recompilations the swaps
-caused (0 is the point).
+caused (0 is the point). The first generation also asks for step previews
+(Progress.preview) and lays them out, with the final image, in previews.png.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SHAPES_PROMPT = "a red circle on a blue background"
 SHAPES_ADAPTERS = ("outline", "swap-colors")
 RANDOM_PROMPT = "a lighthouse on a cliff at dusk"
 RANDOM_ADAPTERS = {"style-a": dict(rank=4, alpha=8.0, seed=1), "style-b": dict(rank=8, alpha=4.0, seed=2)}
+PREVIEWS_IN_STRIP = 5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -89,11 +91,18 @@ async def run_demo(
             info = await client.server_info()
             print(f"demo: serving on port {running.port}: {info.family}, {len(info.target_layers)} slot layers",
                   file=sys.stderr, flush=True)  # fmt: skip
+            preview_every = max(1, info.default_num_inference_steps // PREVIEWS_IN_STRIP)
+            strip = None
             for adapter, scale in [("", None), (first, None), (second, None), (first, 0.5), ("", None)]:
                 steps = []
                 image = await client.generate_image(
-                    prompt, adapter=adapter, adapter_scale=scale, seed=7, on_progress=steps.append
-                )
+                    prompt, adapter=adapter, adapter_scale=scale, seed=7, on_progress=steps.append,
+                    preview_every=0 if runs else preview_every,
+                )  # fmt: skip
+                if not runs:
+                    strip = save_preview_strip(steps, image.data, out / "previews.png")
+                    print(f"demo: step previews ({len(strip['steps'])}, every {preview_every} steps) and the "
+                          f"image -> {strip['image']}", file=sys.stderr, flush=True)  # fmt: skip
                 label = adapter or "base"
                 path = out / f"{len(runs)}-{label}{'-' + str(scale) if scale is not None else ''}.png"
                 image.save(path)
@@ -118,5 +127,26 @@ async def run_demo(
         "compiled": info.compiled,
         "compile_backend": backend,
         "runs": runs,
+        "previews": strip,
         "recompilations": info.recompilations,
     }
+
+
+def save_preview_strip(steps: list, image_data: bytes, path: Path) -> dict:
+    """Lay the steps' previews and the final image side by side, each scaled to the image's height; save as PNG."""
+    import io
+
+    from PIL import Image
+
+    final = Image.open(io.BytesIO(image_data)).convert("RGB")
+    previews = [(event.step, Image.open(io.BytesIO(event.preview)).convert("RGB")) for event in steps if event.preview]
+    height, gap = final.height, 4
+    tiles = [picture.resize((round(picture.width * height / picture.height), height), Image.NEAREST)
+             for _, picture in previews] + [final]  # fmt: skip
+    strip = Image.new("RGB", (sum(tile.width for tile in tiles) + gap * (len(tiles) - 1), height), "white")
+    left = 0
+    for tile in tiles:
+        strip.paste(tile, (left, 0))
+        left += tile.width + gap
+    strip.save(path)
+    return {"image": str(path), "steps": [step for step, _ in previews]}

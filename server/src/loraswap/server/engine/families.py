@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraswap.server.engine.types import ModelDefaults, ModelFamily
+from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
 
 # The guidance of a warm-up's guidance-on runs, when the model's default guidance is off.
 WARM_UP_GUIDANCE = 5.0
@@ -35,6 +35,9 @@ class FamilyTraits:
     default_target_modules: tuple[str, ...]
     # Whether the denoiser runs convolutions (whose CPU kernel choice can split compiled graphs).
     convolutional_denoiser: bool
+    # The published latent-to-RGB projection of the family's VAE latent space, for step previews
+    # (engine/previews.py); a built-in model with a VAE of its own records its own (models/registry.py).
+    latent_rgb: LatentRgb
 
     def denoiser(self, pipe):
         """The pipeline's denoiser: the module adapters change."""
@@ -71,6 +74,10 @@ class FamilyTraits:
     def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
         """The guidance settings (None: the default) a warm-up runs at each size so no later guidance compiles."""
         return (None,)
+
+    def spatial_latents(self, pipe, latents, height: int, width: int):
+        """The pipeline's latents during denoising as (batch, channels, height / f, width / f) images."""
+        return latents
 
     def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
         """diffusers' own reading of a LoRA file for this family: (diffusers-format keys, alphas or None).
@@ -116,6 +123,10 @@ class _FluxTraits(FamilyTraits):
             return {"true_cfg_scale": defaults.true_cfg_scale, "negative_prompt": negative_prompt}
         return {}
 
+    def spatial_latents(self, pipe, latents, height: int, width: int):
+        # Flux denoises 2x2 latent patches packed into tokens: (batch, tokens, channels * 4).
+        return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+
     def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
         from diffusers import FluxPipeline
 
@@ -155,6 +166,24 @@ class _SdxlTraits(FamilyTraits):
         return StableDiffusionXLPipeline.lora_state_dict(state_dict, unet_config=denoiser_config)
 
 
+# Published latent-to-RGB factors (ComfyUI, comfy/latent_formats.py: SDXL and Flux), for latents as
+# the pipelines denoise them (scaled and shifted by the VAE's factors).
+SDXL_LATENT_RGB = LatentRgb(
+    factors=(
+        (0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362), (-0.3165, -0.2492, -0.2188),
+    ),
+    bias=(0.1084, -0.0175, -0.0011),
+)  # fmt: skip
+FLUX_LATENT_RGB = LatentRgb(
+    factors=(
+        (-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433), (-0.0174, 0.0160, 0.0617),
+        (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115), (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259),
+        (-0.0245, 0.0250, 0.1180), (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
+        (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499), (-0.1262, -0.0982, -0.0778),
+    ),
+    bias=(-0.0329, -0.0718, -0.0851),
+)  # fmt: skip
+
 FLUX = _FluxTraits(
     family=ModelFamily.FLUX,
     pipeline_class="FluxPipeline",
@@ -167,6 +196,7 @@ FLUX = _FluxTraits(
         "proj_mlp", "proj_out",
     ),
     convolutional_denoiser=False,
+    latent_rgb=FLUX_LATENT_RGB,
 )  # fmt: skip
 SDXL = _SdxlTraits(
     family=ModelFamily.SDXL,
@@ -178,6 +208,7 @@ SDXL = _SdxlTraits(
         "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out",
     ),
     convolutional_denoiser=True,
+    latent_rgb=SDXL_LATENT_RGB,
 )  # fmt: skip
 
 FAMILIES: dict[ModelFamily, FamilyTraits] = {traits.family: traits for traits in (FLUX, SDXL)}

@@ -61,6 +61,13 @@ class RequestRules:
         seed = secrets.randbits(63) if request.seed is None else request.seed
         if not 0 <= seed < 2**64:
             raise InvalidRequestError("seed must lie in [0, 2^64)", field="seed")
+        # Any positive value is valid: one at or above the step count means "the last step only".
+        if request.preview_every < 0:
+            raise InvalidRequestError(
+                f"preview_every is {request.preview_every}; use 0 for no previews or N > 0 for one every N steps "
+                "and at the last",
+                field="preview_every",
+            )
         return GenerationParams(
             prompt=request.prompt,
             negative_prompt=request.negative_prompt,
@@ -71,6 +78,7 @@ class RequestRules:
             height=height,
             seed=seed,
             image_format=request.image_format,
+            preview_every=request.preview_every,
         )
 
     def warnings(self, params: GenerationParams) -> tuple[str, ...]:

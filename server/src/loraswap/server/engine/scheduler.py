@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter
 from loraswap.server.engine.adapters.slot import StackMember, stack_order
 from loraswap.server.engine.errors import EngineError, GenerationFailedError, NotServingError, QueueFullError
+from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapPath
 from loraswap.server.engine.runtime import DiffusionRuntime
 from loraswap.server.engine.types import GenerationParams, Queued, Timings
 
@@ -60,9 +61,14 @@ class GenerationScheduler:
     """
 
     def __init__(
-        self, runtime_factory: Callable[[], DiffusionRuntime], max_queue: int, max_bypass: int = 4
+        self,
+        runtime_factory: Callable[[], DiffusionRuntime],
+        max_queue: int,
+        max_bypass: int = 4,
+        observer: EngineObserver = NO_OBSERVER,
     ) -> None:
         self.max_queue = max_queue
+        self._observer = observer
         self.max_bypass = max_bypass
         self.swaps = 0  # adapter changes the worker made (for benchmarks and tests)
         self.ready: Future[DiffusionRuntime] = Future()
@@ -183,13 +189,30 @@ class GenerationScheduler:
 
     def _run(self, runtime: DiffusionRuntime, job: GenerationJob) -> None:
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
+        self._observer.job_dequeued(queue_ms / 1000.0)
+        on_swap = None
         if not runtime.slot.holds(job.stack):
             self.swaps += 1
+            # Cold: this request waited for an adapter to be read and converted; warm: all were cached.
+            path = SwapPath.COLD if job.adapter_load_ms > 0 else SwapPath.WARM
+
+            def on_swap(swap_ms: float) -> None:
+                self._observer.swapped(path, swap_ms / 1000.0)
+
+        step_ended_ms = 0.0
+
+        def on_step(progress) -> None:
+            nonlocal step_ended_ms
+            self._observer.step_done((progress.elapsed_ms - step_ended_ms) / 1000.0)
+            step_ended_ms = progress.elapsed_ms
+            job.emit(progress)
+
         try:
             image = runtime.generate(
                 job.params,
                 job.stack,
-                on_step=job.emit,
+                on_step=on_step,
+                on_swap=on_swap,
                 is_cancelled=job.cancelled.is_set,
                 timings=Timings(queue_ms=queue_ms, adapter_load_ms=job.adapter_load_ms),
                 warnings=job.warnings,
@@ -200,4 +223,5 @@ class GenerationScheduler:
             log.exception("generation failed")
             job.emit(GenerationFailedError(f"generation failed ({type(exc).__name__}); the server keeps serving"))
         else:
+            self._observer.image_done()
             job.emit(image)

@@ -60,6 +60,7 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
         height=_optional(request, "height"),
         seed=_optional(request, "seed"),
         image_format=image_format,
+        preview_every=request.preview_every,
     )
 
 
@@ -114,10 +115,16 @@ def adapter_with_lora_metadata(adapter: str, names: tuple[str, ...]) -> str:
 def generation_event_to_pb(event: GenerationEvent) -> pb.GenerateResponse:
     """A domain event -> one GenerateResponse (an image whole, however large; streams use generate_responses)."""
     if isinstance(event, Queued):
-        return pb.GenerateResponse(queued=pb.Queued(position=event.position))
+        return pb.GenerateResponse(queued=pb.Queued(position=event.position, loading_adapter=event.loading_adapter))
     if isinstance(event, StepProgress):
         return pb.GenerateResponse(
-            progress=pb.Progress(step=event.step, total_steps=event.total_steps, elapsed_ms=event.elapsed_ms)
+            progress=pb.Progress(
+                step=event.step,
+                total_steps=event.total_steps,
+                elapsed_ms=event.elapsed_ms,
+                preview=event.preview,
+                preview_mime_type=event.preview_mime_type,
+            )
         )
     if isinstance(event, GeneratedImage):
         return pb.GenerateResponse(image=image_to_pb(event))
@@ -182,6 +189,7 @@ def adapter_to_pb(adapter: AdapterSummary) -> pb.AdapterInfo:
         resident=adapter.resident,
         load_ms=adapter.load_ms,
         warnings=list(adapter.warnings),
+        pinned=adapter.pinned,
     )
 
 

@@ -8,6 +8,10 @@ An entry owns its bytes: they were read from the file once, validated, and are
 never read from the file again. A file changed or removed on disk does not
 touch the cached adapter; it is served as validated until it leaves the cache
 (Evict, or the byte budget), and the next use reads and validates the file anew.
+
+Pinned names (--pin) never leave: LRU eviction passes them over and Evict
+refuses them. Their bytes count against the budget, so what they hold is not
+there for the rest.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter
-from loraswap.server.engine.errors import AdapterNotFoundError, AdapterTooLargeError, shorten
+from loraswap.server.engine.errors import AdapterNotFoundError, AdapterPinnedError, AdapterTooLargeError, shorten
+from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver
 
 
 @dataclass
@@ -38,29 +43,52 @@ class CacheEntry:
 class AdapterCache:
     """Byte-budgeted LRU of canonical adapters with single-flight loading. Thread-safe."""
 
-    def __init__(self, budget_bytes: int, loader: Callable[[str], CanonicalAdapter], executor: Executor) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        loader: Callable[[str], CanonicalAdapter],
+        executor: Executor,
+        observer: EngineObserver = NO_OBSERVER,
+    ) -> None:
         self.budget_bytes = budget_bytes
+        self._observer = observer
         self._loader = loader
         self._executor = executor
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._loading: dict[str, Future] = {}
+        self._pinned: set[str] = set()
+
+    def pin(self, name: str) -> None:
+        """Keep `name` out of eviction from now on (load it with get_or_load); pins last for the cache's life."""
+        with self._lock:
+            self._pinned.add(name)
+
+    def is_pinned(self, name: str) -> bool:
+        with self._lock:
+            return name in self._pinned
+
+    def _pinned_bytes(self, besides: str) -> int:
+        return sum(
+            entry.adapter.nbytes for name, entry in self._entries.items() if name in self._pinned and name != besides
+        )
 
     def get_or_load(self, name: str) -> tuple[Future, bool]:
         """A future of the entry for `name`, and whether it was already cached (no load needed)."""
         with self._lock:
             entry = self._entries.get(name)
-            if entry is not None:
+            if entry is None:
+                pending = self._loading.get(name)
+                if pending is None:
+                    pending = self._executor.submit(self._load, name)
+                    self._loading[name] = pending
+            else:
                 self._entries.move_to_end(name)
                 entry.touch()
-                done: Future = Future()
-                done.set_result(entry)
-                return done, True
-            pending = self._loading.get(name)
-            if pending is None:
-                pending = self._executor.submit(self._load, name)
-                self._loading[name] = pending
-            return pending, False
+                pending = Future()
+                pending.set_result(entry)
+        self._observer.cache_lookup(hit=entry is not None)
+        return pending, entry is not None
 
     def _load(self, name: str) -> CacheEntry:
         try:
@@ -72,24 +100,41 @@ class AdapterCache:
                     adapter_bytes=adapter.nbytes,
                     budget_bytes=self.budget_bytes,
                 )
+            with self._lock:
+                room = self.budget_bytes - self._pinned_bytes(besides=name)
+            if self.budget_bytes and adapter.nbytes > room:
+                raise AdapterTooLargeError(
+                    f"adapter {shorten(name)!r} takes {adapter.nbytes} bytes in canonical form, more than the "
+                    f"{room} bytes that pinned adapters (--pin) leave of the adapter cache ({self.budget_bytes} "
+                    "bytes, --adapter-cache-bytes); pin fewer adapters or raise the budget",
+                    adapter_bytes=adapter.nbytes,
+                    budget_bytes=room,
+                )
             entry = CacheEntry(adapter)
             with self._lock:
                 self._entries[name] = entry
                 self._entries.move_to_end(name)
-                self._shrink_to_budget(keep=name)
+                evicted = self._shrink_to_budget(keep=name)
+            self._observer.adapter_loaded(adapter.load_ms / 1000.0)
+            if evicted:
+                self._observer.adapters_evicted(evicted)
             return entry
         finally:
             with self._lock:
                 self._loading.pop(name, None)
 
-    def _shrink_to_budget(self, keep: str) -> None:
+    def _shrink_to_budget(self, keep: str) -> int:
+        """Drop the least recently used entries (never `keep` or a pinned one) to fit the budget; how many went."""
         total = sum(entry.adapter.nbytes for entry in self._entries.values())
+        evicted = 0
         for name in list(self._entries):
             if not self.budget_bytes or total <= self.budget_bytes:
                 break
-            if name == keep:
+            if name == keep or name in self._pinned:
                 continue
             total -= self._entries.pop(name).adapter.nbytes
+            evicted += 1
+        return evicted
 
     def record_use(self, name: str) -> None:
         """Count a generation that used `name`."""
@@ -101,13 +146,21 @@ class AdapterCache:
                 self._entries.move_to_end(name)
 
     def evict(self, name: str) -> int:
-        """Drop `name`; returns the bytes freed. AdapterNotFoundError when it is not cached."""
+        """Drop `name`; returns the bytes freed. AdapterNotFoundError when it is not cached, AdapterPinnedError when
+        it is pinned (it stays)."""
         with self._lock:
+            if name in self._pinned:
+                raise AdapterPinnedError(
+                    f"adapter {shorten(name)!r} is pinned (--pin) and stays cached; restart the server without "
+                    "pinning it to make it evictable",
+                    adapter=name,
+                )
             entry = self._entries.pop(name, None)
         if entry is None:
             raise AdapterNotFoundError(
                 f"adapter {shorten(name)!r} is not in the cache; ListAdapters shows what is cached", adapter=name
             )
+        self._observer.adapters_evicted(1)
         return entry.adapter.nbytes
 
     def entries(self) -> list[CacheEntry]:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loraswap.server.engine.types import LatentRgb
+
 __all__ = [
+    "SHAPES_LATENT_RGB",
     "SHAPES_MAX_SEQUENCE_LENGTH",
     "build_shapes_pipeline",
     "shapes_adapter_dir",
@@ -22,6 +25,18 @@ __all__ = [
 
 # Captions are at most 8 words; each caption word is one T5 piece.
 SHAPES_MAX_SEQUENCE_LENGTH = 16
+
+# The step previews' latent-to-RGB projection for this model's own VAE (4 latent channels), fitted
+# by least squares against it: the output of `python training/shapes_latent_rgb.py`.
+SHAPES_LATENT_RGB = LatentRgb(
+    factors=(
+        (-0.1189, 0.3314, -0.2704),
+        (0.4457, -0.1387, -0.2524),
+        (-0.4473, -0.3094, 0.0581),
+        (-0.042, -0.4043, -0.5635),
+    ),
+    bias=(0.1238, -0.053, -0.1768),
+)
 
 _WEIGHTS = Path(__file__).resolve().parent / "shapes_weights"
 _ADAPTERS = "adapters"

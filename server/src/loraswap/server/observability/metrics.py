@@ -1,0 +1,203 @@
+"""Prometheus metrics of one server, in a registry of its own, served as text on `--metrics-port`.
+
+Counters and histograms are fed as things happen (the engine's observer, the end of each call). Levels (queue
+depth, cache bytes and entries) and the recompilation count are read from the engine when scraped, through
+`DiffusionEngine.gauges()`, which takes only short locks: a scrape never waits for a denoising step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from loraswap.server.engine.observer import EngineGauges, EngineObserver, SwapPath
+from loraswap.server.observability.calls import CallRecord
+
+OTHER_ADAPTERS = "_other"
+DEFAULT_MAX_ADAPTER_LABELS = 100
+
+# Bucket bounds in seconds, each fitted to what it measures.
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+SWAP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _EngineLevels(Collector):
+    """Reads the engine's levels at scrape time."""
+
+    def __init__(self, read: Callable[[], EngineGauges | None]) -> None:
+        self._read = read
+
+    def describe(self):
+        return self._families(None)
+
+    def collect(self):
+        return self._families(self._read())
+
+    @staticmethod
+    def _families(gauges: EngineGauges | None):
+        families = [
+            (GaugeMetricFamily("loraswap_queue_depth", "Generate requests waiting for the worker."), "queue_depth"),
+            (GaugeMetricFamily("loraswap_adapter_cache_bytes", "Bytes of the cached adapters."), "cache_bytes"),
+            (GaugeMetricFamily("loraswap_adapter_cache_entries", "Adapters in the host cache."), "cache_entries"),
+            (
+                CounterMetricFamily(
+                    "loraswap_recompilations", "Graphs compiled since warm-up ended (GetServerInfo.recompilations)."
+                ),
+                "recompilations",
+            ),
+        ]
+        if gauges is not None:
+            for family, field in families:
+                family.add_metric([], getattr(gauges, field))
+        return [family for family, _ in families]
+
+
+class MetricsEngineObserver(EngineObserver):
+    """Turns the engine's events into observations of ServerMetrics."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+
+    def cache_lookup(self, hit: bool) -> None:
+        (self._m.cache_hits if hit else self._m.cache_misses).inc()
+
+    def adapter_loaded(self, seconds: float) -> None:
+        self._m.adapter_load_seconds.observe(seconds)
+
+    def adapters_evicted(self, count: int) -> None:
+        self._m.evictions.inc(count)
+
+    def job_dequeued(self, wait_seconds: float) -> None:
+        self._m.queue_wait_seconds.observe(wait_seconds)
+
+    def swapped(self, path: SwapPath, seconds: float) -> None:
+        self._m.swaps.inc()
+        self._m.swap_seconds.labels(path=path.value).observe(seconds)
+
+    def step_done(self, seconds: float) -> None:
+        self._m.step_seconds.observe(seconds)
+
+    def image_done(self) -> None:
+        self._m.images.inc()
+
+
+class ServerMetrics:
+    """Every loraswap_* metric of one server, in its own CollectorRegistry (several servers share no state)."""
+
+    def __init__(self, max_adapter_labels: int = DEFAULT_MAX_ADAPTER_LABELS) -> None:
+        # Exactly the documented names: no `*_created` series beside each counter and histogram. (The switch is
+        # prometheus-client's, process-wide; this process is a server and its metrics are these.)
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "loraswap_requests", "DiffusionService calls by method and gRPC status code.", ["method", "code"],
+            registry=r,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "loraswap_request_seconds", "Duration of DiffusionService calls.", ["method"], buckets=REQUEST_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.queue_wait_seconds = Histogram(
+            "loraswap_queue_wait_seconds", "Time Generate requests waited in the queue for the worker.",
+            buckets=QUEUE_WAIT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.step_seconds = Histogram(
+            "loraswap_step_seconds", "Duration of each denoising step of served requests.", buckets=STEP_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.images = Counter("loraswap_images", "Generations that finished with an image.", registry=r)
+        self.swaps = Counter(
+            "loraswap_adapter_swaps", "Changes of the swap slot's adapters (base model included).", registry=r
+        )
+        self.swap_seconds = Histogram(
+            "loraswap_adapter_swap_seconds",
+            "Duration of swap-slot changes; path=cold when the request first had to load an adapter it swapped in "
+            "(read, convert, validate), warm when every adapter was already cached.",
+            ["path"], buckets=SWAP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.adapter_load_seconds = Histogram(
+            "loraswap_adapter_load_seconds", "Adapter loads into the cache: read + convert + validate.",
+            buckets=LOAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.cache_hits = Counter("loraswap_adapter_cache_hits", "Adapter lookups found in the cache.", registry=r)
+        self.cache_misses = Counter(
+            "loraswap_adapter_cache_misses", "Adapter lookups not in the cache (a load started or joined).", registry=r
+        )
+        self.evictions = Counter(
+            "loraswap_adapter_evictions", "Adapters that left the cache (Evict calls and the byte budget).", registry=r
+        )
+        self.errors = Counter(
+            "loraswap_errors", "DiffusionService calls that failed, by ErrorInfo reason.", ["reason"], registry=r
+        )
+        self.adapter_requests = Counter(
+            "loraswap_adapter_requests",
+            f"Generate calls that produced an image, per adapter applied (each member of a stack); beyond "
+            f"{max_adapter_labels} adapter names (--metrics-max-adapters) the rest count as adapter={OTHER_ADAPTERS}.",
+            ["adapter"], registry=r,
+        )  # fmt: skip
+        self.build_info = Gauge(
+            "loraswap_build_info", "1, labelled with the server's version and its model.",
+            ["version", "model", "family", "dtype", "device"], registry=r,
+        )  # fmt: skip
+        self._max_adapter_labels = max_adapter_labels
+        self._adapter_labels: set[str] = set()
+        self._labels_lock = threading.Lock()
+        self._levels: Callable[[], EngineGauges] | None = None
+        r.register(_EngineLevels(lambda: self._levels() if self._levels is not None else None))
+        self.engine_observer = MetricsEngineObserver(self)
+        self._http: WSGIServer | None = None
+        self._http_thread: threading.Thread | None = None
+
+    def read_levels_from(self, levels: Callable[[], EngineGauges]) -> None:
+        """Read queue depth, cache bytes and entries and recompilations from `levels` at each scrape."""
+        self._levels = levels
+
+    def set_build_info(self, *, version: str, model: str, family: str, dtype: str, device: str) -> None:
+        self.build_info.labels(version=version, model=model, family=family, dtype=dtype, device=device).set(1)
+
+    def call_ended(self, record: CallRecord) -> None:
+        """Count a finished call: its method and code, duration, error reason and the adapters it used."""
+        self.requests.labels(method=record.method, code=record.code).inc()
+        self.request_seconds.labels(method=record.method).observe(record.duration_s)
+        if record.reason:
+            self.errors.labels(reason=record.reason).inc()
+        if record.method == "Generate" and record.timings is not None:
+            for adapter in record.adapters:
+                self.adapter_requests.labels(adapter=self._adapter_label(adapter)).inc()
+
+    def _adapter_label(self, adapter: str) -> str:
+        with self._labels_lock:
+            if adapter in self._adapter_labels:
+                return adapter
+            if len(self._adapter_labels) < self._max_adapter_labels:
+                self._adapter_labels.add(adapter)
+                return adapter
+        return OTHER_ADAPTERS
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics over HTTP on a thread of its own; returns the port bound (`port` 0: the OS picks)."""
+        self._http, self._http_thread = start_http_server(port, addr=host.strip("[]"), registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        """Stop serving /metrics."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
