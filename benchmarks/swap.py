@@ -325,7 +325,7 @@ class SwapBench:
     def count_recompilations(
         self, adapters: list[Path | tuple[Path, ...]], backend: str, size: int
     ) -> dict[str, object]:
-        """Compile the denoiser (slot in place), run once, then run after each swap to `adapters` (files or stacks).
+        """Compile the denoiser (slot in place), run once per rank bucket, then after each swap to `adapters`.
 
         Returns the graphs compiled after the first run: a swap that changed a
         shape, a dtype or a guarded attribute would show up here.
@@ -341,7 +341,11 @@ class SwapBench:
             kwargs["max_sequence_length"] = 32
         started = time.perf_counter()
         with torch.inference_mode():
-            self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
+            # As the server's warm-up does: one run per rank bucket (the base model's included), each its own graph.
+            self.slot.load_stack(())
+            for bucket in self.slot.graph_buckets:
+                with self.slot.computing_at(bucket):
+                    self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
             at_ready = counter.graphs_compiled
             for item in [*adapters, ()]:
                 paths = item if isinstance(item, tuple) else (item,)

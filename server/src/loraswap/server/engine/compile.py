@@ -13,24 +13,46 @@ RECOMPILE_LIMIT = 32
 
 
 class CountingBackend:
-    """A torch.compile backend that counts the graphs it compiles, then defers to the real one."""
+    """A torch.compile backend that counts the graphs it compiles, then defers to the real one.
 
-    def __init__(self, name: str) -> None:
+    `mode` is torch.compile's mode for inductor ("default": inductor as `backend="inductor"` gives it).
+    """
+
+    def __init__(self, name: str, mode: str = "default") -> None:
         self.name = name
+        self.mode = mode
         self.graphs_compiled = 0
 
     def __call__(self, graph_module, example_inputs):
         import torch._dynamo
 
         self.graphs_compiled += 1
+        if self.name == "inductor" and self.mode != "default":
+            # What torch.compile(backend="inductor", mode=...) itself builds: inductor with the mode's config patches.
+            return torch._TorchCompileInductorWrapper(self.mode, None, None)(graph_module, example_inputs)
         return torch._dynamo.lookup_backend(self.name)(graph_module, example_inputs)
 
 
-def compile_counting(module: torch.nn.Module, backend: str) -> CountingBackend:
-    """Compile `module` in place through a CountingBackend for `backend`, with room for RECOMPILE_LIMIT graphs."""
-    counter = CountingBackend(backend)
+def compile_counting(
+    module: torch.nn.Module, backend: str, *, kind: str = "full", mode: str = "default"
+) -> CountingBackend:
+    """Compile `module` in place through a CountingBackend for `backend`, with room for RECOMPILE_LIMIT graphs.
+
+    kind "full" compiles the whole module; "regional" only its repeated blocks (diffusers'
+    `compile_repeated_blocks`, the classes in the model's `_repeated_blocks`), whose blocks of
+    one class share their graphs, so a swap (values only) recompiles none of them either.
+    """
+    counter = CountingBackend(backend, mode)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    module.compile(backend=counter)
+    if kind == "regional":
+        if not getattr(module, "_repeated_blocks", None):
+            raise ValueError(
+                f"--compile regional needs a denoiser with repeated blocks; {type(module).__name__} names none: "
+                "use --compile full"
+            )
+        module.compile_repeated_blocks(backend=counter)
+    else:
+        module.compile(backend=counter)
     return counter
 
 

@@ -3,7 +3,9 @@
 dynamo compiles the first call for its exact shapes; a call with other shapes marks the
 changed dimensions dynamic. Past that, guards split requests into classes that each need
 a graph (see `warm_up_sizes`), and some guidance settings change a batch dimension (see
-`FamilyTraits.warm_up_guidance`). Plain values in, plain requests out: no torch here.
+`FamilyTraits.warm_up_guidance`). And dynamo specialises on the swap slot's rank bucket, so a
+compiled server runs the requests once per bucket (see `warm_up_buckets`). Plain values in,
+plain requests out: no torch here.
 """
 
 from __future__ import annotations
@@ -68,3 +70,13 @@ def warm_up_requests(
             for guidance in guidances
         ]  # fmt: skip
     return requests
+
+
+def warm_up_buckets(graph_buckets: tuple[int, ...], compiled: bool) -> tuple[int, ...]:
+    """The slot's rank buckets the warm-up requests run at, the base model's (0, the first) included.
+
+    Compiled, every one: each bucket is a graph of its own for every class of shapes, and a swap
+    into a bucket no warm-up ran at would compile. Uncompiled, the base model's only: nothing is
+    specialised, and one pass makes the first request's allocations.
+    """
+    return graph_buckets if compiled else graph_buckets[:1]

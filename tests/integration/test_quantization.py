@@ -1,0 +1,129 @@
+"""--quantize on the CPU: torchao int8 weight-only on the `shapes` model, and what is refused.
+
+The model still draws what the prompts say (base and every shipped adapter, scored by the pixel classifier on
+the 90-prompt set), its denoiser's weights take at most 0.6x their unquantized bytes, the swap slot's LoRA
+factors stay plain tensors in the model's dtype, and swaps under compile add no graph.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from loraswap.server.config import Settings, SettingsError
+from loraswap.server.engine.adapters.canonical import load_canonical
+from loraswap.server.engine.adapters.sources import AdapterFile
+from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.models.shapes import shapes_adapter_dir
+from loraswap.server.engine.quantization import check_quantization
+from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.v1 import diffusion_service_pb2 as pb
+from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
+from tests.support.servers import TEST_TORCH_THREADS, server_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from training.evaluate import score
+from training.shapes_data import prompt_set
+
+pytest.importorskip("torchao", reason="--quantize needs torchao, a dependency of loraswap-server")
+
+MIN_ACCURACY = 0.9
+MAX_WEIGHT_RATIO = 0.6
+STYLES = ("outline", "swap-colors", "purple")
+
+
+def _runtime(quantize: str, **engine) -> DiffusionRuntime:
+    engine.setdefault("warmup", False)
+    return DiffusionRuntime(
+        EngineConfig(model="shapes", quantize=quantize, max_rank=16, torch_threads=TEST_TORCH_THREADS, **engine)
+    )
+
+
+def _shipped(runtime: DiffusionRuntime, style: str):
+    path = shapes_adapter_dir() / style / "pytorch_lora_weights.safetensors"
+    return load_canonical(AdapterFile(name=style, path=path, source=f"{style}/{path.name}"), runtime.slot_spec())
+
+
+@pytest.fixture(scope="module")
+def int8_runtime() -> DiffusionRuntime:
+    return _runtime("int8wo")
+
+
+def test_int8_weight_only_stores_the_denoiser_in_at_most_six_tenths_of_its_bytes(int8_runtime) -> None:
+    plain = _runtime("none")
+    ratio = int8_runtime.denoiser_weight_bytes / plain.denoiser_weight_bytes
+    assert ratio <= MAX_WEIGHT_RATIO, f"int8wo denoiser is {ratio:.2f}x its float32 bytes"
+    quantized = [name for name, p in int8_runtime.denoiser.named_parameters() if type(p) is not torch.nn.Parameter]
+    assert quantized and all(".base_layer." in name or "lora_" not in name for name in quantized)
+    # The slot's factors are never quantized: plain tensors in the model's dtype.
+    for name, parameter in int8_runtime.denoiser.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            assert type(parameter) is torch.nn.Parameter and parameter.dtype == int8_runtime.dtype, name
+
+
+def test_int8_weight_only_still_draws_what_prompts_say_with_every_shipped_adapter(int8_runtime) -> None:
+    prompts = prompt_set()
+    assert len(prompts) == 90
+    results = {}
+    with torch.inference_mode():
+        for style in ("base", *STYLES):
+            stack = () if style == "base" else ((_shipped(int8_runtime, style), 1.0),)
+            int8_runtime.slot.load_stack(stack)
+            results[style] = score(int8_runtime.pipe, style, prompts=prompts)["all"]
+    assert all(accuracy >= MIN_ACCURACY for accuracy in results.values()), results
+
+
+def test_swaps_under_compile_add_no_graph_with_int8_weights() -> None:
+    runtime = _runtime("int8wo", compile=True, compile_backend="aot_eager", warmup=True)
+    adapters = {style: _shipped(runtime, style) for style in STYLES}
+    request = runtime.request_rules.resolve
+    from loraswap.server.engine.types import GenerationRequest
+
+    params = request(GenerationRequest(prompt="a red circle on a blue background", seed=3))
+    for style in (*STYLES, "base", "purple", "outline"):
+        stack = () if style == "base" else ((adapters[style], 0.8),)
+        runtime.generate(params, stack, on_step=lambda progress: None, is_cancelled=lambda: False)
+    assert runtime.recompilations == 0
+
+
+def test_fp8_is_refused_on_the_cpu_with_one_line() -> None:
+    with pytest.raises(ValueError, match=r"--quantize fp8 needs a CUDA device .* use --quantize int8wo or none"):
+        check_quantization("fp8", "cpu")
+    with pytest.raises(SettingsError, match="fp8"):
+        Settings(engine=EngineConfig(quantize="fp8", device="cpu"))
+    with pytest.raises(ValueError, match="not one of none, int8wo, fp8"):
+        check_quantization("int4", None)
+
+
+def test_serve_refuses_fp8_on_the_cpu_before_loading_anything() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "loraswap.client.command", "serve", "--quantize", "fp8", "--device", "cpu"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--quantize fp8 needs a CUDA device" in lines[0], result.stderr
+    bad_choice = subprocess.run(
+        [sys.executable, "-m", "loraswap.client.command", "serve", "--quantize", "int4"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad_choice.returncode == 2 and "invalid choice: 'int4'" in bad_choice.stderr
+
+
+async def test_server_info_reports_quantization_and_stored_weight_bytes() -> None:
+    from loraswap.server.app import start_server
+
+    running = await start_server(server_settings("shapes", None, quantize="int8wo"))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            info = await pb_grpc.DiffusionServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
+    finally:
+        await running.stop(1)
+    assert info.quantization == "int8wo"
+    assert 0 < info.denoiser_weight_bytes == running.engine.describe().denoiser_weight_bytes

@@ -1,0 +1,29 @@
+"""benchmarks/lora_tax.py runs on a tiny model and prints every variant as its last line of JSON.
+
+Uncompiled here (compiling six graphs takes minutes on CI's cores); the figures are not asserted, only the
+report's shape and what holds on any machine: the slot computes at each adapter's bucket.
+"""
+
+from __future__ import annotations
+
+from benchmarks.lora_tax import VARIANTS
+
+from tests.unit.test_benchmarks import run_benchmark
+
+
+def test_lora_tax_benchmark_reports_every_variant_and_its_bucket(tmp_path):
+    report = run_benchmark(
+        "benchmarks.lora_tax", "--model", "tiny-flux", "--size", "32", "--repeats", "2", "--backend", "none",
+        "--quantize", "none", "--json-out", str(tmp_path / "tax.json"),
+    )  # fmt: skip
+    assert report["model"] == "tiny-flux" and report["max_rank"] == 64 and report["torch_threads"] == 1
+    (run,) = report["runs"]
+    assert run["quantization"] == "none" and run["rank_buckets"] == [16, 32, 64]
+    assert set(run["variants"]) == set(VARIANTS)
+    for figures in run["variants"].values():
+        assert 0 < figures["min_ms"] <= figures["median_ms"] <= figures["max_ms"]
+    buckets = {name: figures.get("computes_at_rank") for name, figures in run["variants"].items()}
+    assert buckets == {
+        "bare": None, "slot_base": 0, "slot_base_full_width": 64, "slot_r8": 16, "slot_r8_full_width": 64,
+        "slot_r32": 32, "slot_r64": 64, "diffusers_hotswap": None,
+    }  # fmt: skip
