@@ -2,7 +2,9 @@
 #   docker build -t loraswap .
 #   docker run --gpus all -p 50051:50051 -e MODEL_ID=black-forest-labs/FLUX.1-dev \
 #     -e HF_TOKEN=... -v $PWD/adapters:/adapters loraswap
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# PyPI's torch 2.13.0 wheel for Linux x86-64 is the CUDA 13.0 build and brings its own CUDA, cuDNN and NCCL
+# libraries (nvidia-* wheels): the base image only needs to match it, and the host a driver of 580 or later.
+FROM nvidia/cuda:13.0.0-base-ubuntu24.04
 
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
@@ -19,7 +21,8 @@ COPY server/pyproject.toml server/pyproject.toml
 RUN python3 -c 'import tomllib; print("\n".join(r for side in ("client", "server") \
         for r in tomllib.load(open(f"{side}/pyproject.toml", "rb"))["project"]["dependencies"] \
         if not r.startswith("loraswap-")))' > /tmp/requirements.txt \
-    && pip install --no-cache-dir -r /tmp/requirements.txt
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && python3 -c 'import torch, torchao; assert torch.version.cuda, "torch is not a CUDA build"'
 
 # Then the contract and the code; --no-deps: everything they need is installed above.
 COPY protos protos

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check, self-contained for an H100/H200 machine with no network:
+#
+#   benchmarks/gpu_check.sh [--wheels DIR] [--python PYTHON] [gpu_check.py options...]
+#
+# --wheels DIR    install the wheels in DIR (diffusers, torchao, peft, ... carried by the caller) into a private
+#                 folder first, without the network and without touching the machine's packages; default: .whl
+#                 when that folder exists, else use what is installed
+# --python PATH   the interpreter that has a CUDA torch (default: python3)
+# Every other option goes to benchmarks/gpu_check.py (see its --help): by default the full-depth FLUX.1-dev
+# transformer at 1024², 28 steps, two rank-64 adapters alternating over 10 requests, for --quantize none and fp8
+# and without any slot, within 480 s. The last thing printed is one JSON object.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+python="${PYTHON:-python3}"
+wheels=""
+[[ -d "$root/.whl" ]] && wheels="$root/.whl"
+passthrough=()
+
+usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        -h|--help) usage; exec "$python" "$here/gpu_check.py" --help ;;
+        --wheels)
+            [[ $# -ge 2 ]] || { echo "gpu_check.sh: --wheels needs a folder" >&2; exit 2; }
+            wheels="$2"; shift 2 ;;
+        --wheels=*) wheels="${1#--wheels=}"; shift ;;
+        --python)
+            [[ $# -ge 2 ]] || { echo "gpu_check.sh: --python needs an interpreter" >&2; exit 2; }
+            python="$2"; shift 2 ;;
+        --python=*) python="${1#--python=}"; shift ;;
+        *) passthrough+=("$1"); shift ;;
+    esac
+done
+
+if [[ -n "$wheels" ]]; then
+    [[ -d "$wheels" ]] || { echo "gpu_check.sh: --wheels $wheels is not a folder" >&2; exit 2; }
+    shopt -s nullglob
+    files=("$wheels"/*.whl)
+    shopt -u nullglob
+    if [[ ${#files[@]} -gt 0 ]]; then
+        site="${TMPDIR:-/tmp}/loraswap-gpu-check-site"
+        "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            "${files[@]}" >&2
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+export PYTHONPATH="$root/server/src:$root/client/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+exec "$python" "$here/gpu_check.py" ${passthrough[@]+"${passthrough[@]}"}
