@@ -31,15 +31,28 @@ OPTIONS = [
      Settings(engine=_engine(adapter_dir=Path("/srv/adapters")))),
     ("--max-rank", "LORASWAP_MAX_RANK", "128", Settings(engine=_engine(max_rank=128))),
     ("--max-stack", "LORASWAP_MAX_STACK", "2", Settings(engine=_engine(max_stack=2))),
+    ("--rank-buckets", "LORASWAP_RANK_BUCKETS", "8, 32,64", Settings(engine=_engine(rank_buckets=(8, 32, 64)))),
     ("--target-modules", "LORASWAP_TARGET_MODULES", "to_q, to_k,,to_out.0",
      Settings(engine=_engine(target_modules=("to_q", "to_k", "to_out.0")))),
+    ("--compile", "LORASWAP_COMPILE", "regional", Settings(engine=_engine(compile="regional"))),
     ("--compile-backend", "LORASWAP_COMPILE_BACKEND", "aot_eager",
      Settings(engine=_engine(compile_backend="aot_eager"))),
+    ("--compile-mode", "LORASWAP_COMPILE_MODE", "max-autotune", Settings(engine=_engine(compile_mode="max-autotune"))),
+    ("--quantize", "LORASWAP_QUANTIZE", "int8wo", Settings(engine=_engine(quantize="int8wo"))),
+    ("--compile-cache", "LORASWAP_COMPILE_CACHE", "/var/cache/loraswap",
+     Settings(engine=_engine(compile_cache=Path("/var/cache/loraswap")))),
     ("--device", "LORASWAP_DEVICE", "cuda:1", Settings(engine=_engine(device="cuda:1"))),
     ("--dtype", "LORASWAP_DTYPE", "bfloat16", Settings(engine=_engine(dtype="bfloat16"))),
+    ("--allow-base", "LORASWAP_ALLOW_BASE", "black-forest-labs/FLUX.1-schnell, ,my-org/flux-finetune",
+     Settings(engine=_engine(allow_base=("black-forest-labs/FLUX.1-schnell", "my-org/flux-finetune")))),
     ("--max-adapter-bytes", "LORASWAP_MAX_ADAPTER_BYTES", "1000", Settings(engine=_engine(max_adapter_bytes=1000))),
     ("--adapter-cache-bytes", "LORASWAP_ADAPTER_CACHE_BYTES", "2000",
      Settings(engine=_engine(adapter_cache_bytes=2000))),
+    ("--device-adapter-bytes", "LORASWAP_DEVICE_ADAPTER_BYTES", "3000",
+     Settings(engine=_engine(device_adapter_bytes=3000))),
+    ("--attention", "LORASWAP_ATTENTION", "native", Settings(engine=_engine(attention="native"))),
+    ("--preload", "LORASWAP_PRELOAD", "outline, ,styles/ink", Settings(engine=_engine(preload=("outline", "styles/ink")))),
+    ("--pin", "LORASWAP_PIN", "outline,purple", Settings(engine=_engine(pin=("outline", "purple")))),
     ("--max-queue", "LORASWAP_MAX_QUEUE", "3", Settings(engine=_engine(max_queue=3))),
     ("--max-bypass", "LORASWAP_MAX_BYPASS", "0", Settings(engine=_engine(max_bypass=0))),
     ("--layers", "LORASWAP_LAYERS", "8", Settings(engine=_engine(layers=8))),
@@ -49,13 +62,21 @@ OPTIONS = [
     ("--log-level", "LORASWAP_LOG_LEVEL", "DEBUG", Settings(engine=_engine(), log_level="DEBUG")),
     ("--auth-token-file", "LORASWAP_AUTH_TOKEN_FILE", "/etc/loraswap/tokens",
      Settings(engine=_engine(), auth_token_file=Path("/etc/loraswap/tokens"))),
+    ("--metrics-port", "LORASWAP_METRICS_PORT", "9090", Settings(engine=_engine(), metrics_port=9090)),
+    ("--metrics-max-adapters", "LORASWAP_METRICS_MAX_ADAPTERS", "5", Settings(engine=_engine(), metrics_max_adapters=5)),
+    ("--log-format", "LORASWAP_LOG_FORMAT", "json", Settings(engine=_engine(), log_format="json")),
+    ("--otlp-endpoint", "LORASWAP_OTLP_ENDPOINT", "http://collector:4317",
+     Settings(engine=_engine(), otlp_endpoint="http://collector:4317")),
 ]  # fmt: skip
+
+# --no-compile is --compile none (tests/unit/test_compile_options.py has every form of --compile)
+ALIASES = {"--no-compile"}
 
 # on/off switches: --x / --no-x, and LORASWAP_X=true/false
 SWITCHES = [
-    ("compile", "LORASWAP_COMPILE", "compile"),
     ("allow-hub", "LORASWAP_ALLOW_HUB", "allow_hub"),
     ("strict-adapters", "LORASWAP_STRICT_ADAPTERS", "strict_adapters"),
+    ("log-prompts", "LORASWAP_LOG_PROMPTS", "log_prompts"),  # a Settings field, not an EngineConfig one
 ]
 
 
@@ -91,6 +112,7 @@ def test_every_flag_is_covered_here() -> None:
         {flag for flag, *_ in OPTIONS}
         | {f"--{name}" for name, *_ in SWITCHES}
         | {f"--no-{name}" for name, *_ in SWITCHES}
+        | ALIASES
         | {flag for argv, *_ in TLS_COMBINATIONS for flag in argv if flag.startswith("--")}
     )
     assert flags == covered
@@ -172,7 +194,8 @@ def test_flag_overrides_environment(flag: str, env: str, text: str, expected: Se
 def test_switch(name: str, env: str, field: str, argv_form: str | None, env_value: str | None, expected: bool):
     argv = [argv_form.format(name)] if argv_form else []
     environ = {env: env_value} if env_value is not None else {}
-    assert getattr(_settings(argv, environ).engine, field) is expected
+    settings = _settings(argv, environ)
+    assert getattr(settings.engine if hasattr(settings.engine, field) else settings, field) is expected
 
 
 def test_switch_defaults() -> None:
@@ -184,8 +207,10 @@ def test_switch_defaults() -> None:
     "environ", [{"LORASWAP_COMPILE": "maybe"}, {"LORASWAP_PORT": "fifty"}, {"LORASWAP_GRACE_SECONDS": "soon"}]
 )
 def test_bad_environment_value_is_refused(environ: dict[str, str]) -> None:
-    with pytest.raises((ValueError, argparse.ArgumentTypeError)):
+    with pytest.raises(SettingsError) as refused:
         _settings([], environ)
+    (variable,) = environ
+    assert str(refused.value).startswith(f"{variable}=") and "\n" not in str(refused.value)
 
 
 def test_explicit_environ_ignores_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,10 +9,12 @@ loads of others.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
+from loraswap.server.engine.adapters.base_model import BaseModelPolicy
 from loraswap.server.engine.adapters.cache import AdapterCache, CacheEntry
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, load_canonical
 from loraswap.server.engine.adapters.slot import StackMember, check_stack_fits
@@ -23,8 +25,16 @@ from loraswap.server.engine.adapters.sources import (
     check_name,
 )
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.errors import EngineError, ErrorReason, InvalidRequestError, NotServingError
-from loraswap.server.engine.models import BUILTINS
+from loraswap.server.engine.errors import (
+    EngineError,
+    ErrorReason,
+    InvalidRequestError,
+    NotServingError,
+    StartupError,
+    shorten,
+)
+from loraswap.server.engine.models import BUILTINS, served_base_model
+from loraswap.server.engine.observer import NO_OBSERVER, EngineGauges, EngineObserver
 from loraswap.server.engine.runtime import DiffusionRuntime
 from loraswap.server.engine.scheduler import GenerationJob, GenerationScheduler
 from loraswap.server.engine.types import (
@@ -35,8 +45,11 @@ from loraswap.server.engine.types import (
     GenerationParams,
     GenerationRequest,
     PreloadResult,
+    Queued,
     ServerDescription,
 )
+
+log = logging.getLogger(__name__)
 
 # Adapter loads that may run at once, so that a slow or huge one does not hold up the others. Each holds its file
 # (at most --max-adapter-bytes) in memory a few times over while it decodes it: this also bounds what cold loads take.
@@ -46,15 +59,23 @@ ADAPTER_LOAD_THREADS = 4
 class DiffusionEngine:
     """One resident pipeline, its adapter cache and its request queue."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, observer: EngineObserver = NO_OBSERVER, *, sources: AdapterSources | None = None
+    ) -> None:
+        """`observer` hears of cache lookups, loads, evictions, swaps, steps and images as they happen; `sources`
+        replaces the adapter directory and Hub that `config` names (another store, or a test's slow one)."""
         self.config = config
-        self._sources = AdapterSources(
+        self._sources = sources or AdapterSources(
             LocalAdapterDirectory(config.adapter_dir or _shipped_adapter_dir(config.model), config.max_adapter_bytes),
             HubAdapterSource(config.allow_hub, config.max_adapter_bytes),
         )
+        # Adapters declaring another base are refused before their tensors are read.
+        self._base_models = BaseModelPolicy(served_base_model(config.model), config.allow_base)
         self._loader_pool = ThreadPoolExecutor(max_workers=ADAPTER_LOAD_THREADS, thread_name_prefix="loraswap-loader")
-        self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool)
-        self._scheduler = GenerationScheduler(lambda: DiffusionRuntime(config), config.max_queue, config.max_bypass)
+        self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool, observer)
+        self._scheduler = GenerationScheduler(
+            lambda: DiffusionRuntime(config), config.max_queue, config.max_bypass, observer
+        )
         self._runtime: DiffusionRuntime | None = None
         self._slot_spec: SlotSpec | None = None
 
@@ -65,7 +86,38 @@ class DiffusionEngine:
         self._scheduler.start()
         runtime = await asyncio.wrap_future(self._scheduler.ready)
         self._slot_spec = runtime.slot_spec()
+        await self._preload_configured()
         self._runtime = runtime
+
+    async def _preload_configured(self) -> None:
+        """Load --pin and --preload adapters (pins first, and pinned before they load); fail start-up otherwise.
+
+        A server that was told to have these adapters ready must not turn SERVING without them: an unusable name,
+        pins beyond the cache budget, or preloads that push each other out raise StartupError (one line).
+        """
+        names = tuple(dict.fromkeys(self.config.pin + self.config.preload))
+        for name in self.config.pin:
+            self._cache.pin(name)
+        try:
+            for name in names:
+                flag = "--pin" if name in self.config.pin else "--preload"
+                try:
+                    check_name(name)
+                    entry, load_ms = await self._cached(name)
+                except EngineError as error:
+                    raise StartupError(f"{flag} {shorten(name)!r}: {error.message}") from error
+                log.info("%s %s: %d bytes, loaded in %.0f ms", flag, name, entry.adapter.nbytes, load_ms)
+            cached = {entry.adapter.name for entry in self._cache.entries()}
+            pushed_out = [name for name in names if name not in cached]
+            if pushed_out:
+                raise StartupError(
+                    f"--preload {shorten(','.join(pushed_out))!r}: the preloaded adapters do not fit in the adapter "
+                    f"cache together ({self._cache.budget_bytes} bytes, --adapter-cache-bytes); preload fewer or "
+                    "raise the budget"
+                )
+        except StartupError:
+            await self.stop(timeout=5.0)
+            raise
 
     @property
     def serving(self) -> bool:
@@ -94,6 +146,18 @@ class DiffusionEngine:
         """Adapter changes the worker has made since start-up."""
         return self._scheduler.swaps
 
+    def gauges(self) -> EngineGauges:
+        """The engine's levels now; cheap, and safe from any thread while the worker runs a step."""
+        runtime = self._runtime
+        entries = self._cache.entries()
+        return EngineGauges(
+            queue_depth=self._scheduler.queue_length,
+            cache_bytes=sum(entry.adapter.nbytes for entry in entries),
+            cache_entries=len(entries),
+            recompilations=runtime.recompilations if runtime is not None else 0,
+            swaps=self._scheduler.swaps,
+        )
+
     async def stop(self, timeout: float | None = None) -> None:
         """Finish the queued work (up to timeout seconds) and end the worker and loader threads."""
         await asyncio.to_thread(self._scheduler.stop, timeout)
@@ -107,7 +171,11 @@ class DiffusionEngine:
         runtime = self._require_runtime()
         rules = runtime.request_rules
         params = rules.resolve(request)
-        stack, load_ms, warnings = await self._stack(params)
+        loads = self._start_loads(params)
+        if not all(future.done() for future, _ in loads):
+            # The first event comes at once, not when a slow read, conversion or download is over.
+            yield Queued(position=0, loading_adapter=True)
+        stack, load_ms, warnings = await self._stack(params, loads)
         warnings += rules.warnings(params)
 
         loop = asyncio.get_running_loop()
@@ -134,7 +202,18 @@ class DiffusionEngine:
         finally:
             self._scheduler.cancel(job)
 
-    async def _stack(self, params: GenerationParams) -> tuple[tuple[StackMember, ...], float, tuple[str, ...]]:
+    def _start_loads(self, params: GenerationParams) -> list[tuple[Future, bool]]:
+        """For each of the request's adapters, its cache entry's future and whether it was cached; loads start now.
+
+        Names are checked first, so that a malformed one is refused before anything says "loading".
+        """
+        for applied in params.adapters:
+            check_name(applied.adapter)
+        return [self._cache.get_or_load(applied.adapter) for applied in params.adapters]
+
+    async def _stack(
+        self, params: GenerationParams, loads: list[tuple[Future, bool]]
+    ) -> tuple[tuple[StackMember, ...], float, tuple[str, ...]]:
         """The request's adapters from the cache (loaded if need be) with their strengths, the load ms, warnings.
 
         Refuses, before anything is queued, two names for one file and a stack whose ranks exceed
@@ -145,7 +224,7 @@ class DiffusionEngine:
         warnings: tuple[str, ...] = ()
         names_by_source: dict[str, str] = {}
         # A stack's uncached members load side by side on the loader threads.
-        entries = await asyncio.gather(*(self._cached(applied.adapter) for applied in params.adapters))
+        entries = await asyncio.gather(*(_entry(future, hit) for future, hit in loads))
         for applied, (entry, entry_load_ms) in zip(params.adapters, entries):
             adapter = entry.adapter
             if adapter.source in names_by_source:
@@ -172,12 +251,10 @@ class DiffusionEngine:
         """Resolve, read, convert and validate; runs on the loader thread."""
         if self._slot_spec is None:
             raise NotServingError("the server is still starting; retry")
-        return load_canonical(self._sources.resolve(name), self._slot_spec)
+        return load_canonical(self._sources.resolve(name), self._slot_spec, self._base_models)
 
     async def _cached(self, name: str) -> tuple[CacheEntry, float]:
-        future, hit = self._cache.get_or_load(name)
-        entry = await asyncio.wrap_future(future)
-        return entry, 0.0 if hit else entry.adapter.load_ms
+        return await _entry(*self._cache.get_or_load(name))
 
     async def preload(self, name: str) -> PreloadResult:
         """Make an adapter ready in the cache; idempotent."""
@@ -214,6 +291,7 @@ class DiffusionEngine:
             resident=resident,
             load_ms=adapter.load_ms,
             warnings=adapter.warnings,
+            pinned=self._cache.is_pinned(name),
         )
 
     # -- facts ------------------------------------------------------------------------------------------
@@ -232,6 +310,7 @@ class DiffusionEngine:
             max_rank=self.config.max_rank,
             target_layers=tuple(runtime.target_layers),
             compiled=runtime.compiled,
+            compile_mode=runtime.compile_label,
             recompilations=runtime.recompilations,
             resident_adapter=resident.name if resident is not None else "",
             size_multiple=rules.size_multiple,
@@ -243,12 +322,25 @@ class DiffusionEngine:
             default_guidance_scale=rules.defaults.guidance_scale,
             resident_adapters=tuple(adapter.name for adapter in resident_adapters),
             max_stack=rules.max_stack,
+            rank_buckets=runtime.slot.rank_buckets,
+            base_model=self._base_models.served.id,
+            quantization=self.config.quantize,
+            denoiser_weight_bytes=runtime.denoiser_weight_bytes,
+            attention_backend=runtime.attention_backend,
+            pinned_adapter_memory=self._slot_spec is not None and self._slot_spec.pin_memory,
+            device_adapter_bytes=runtime.device_adapter_bytes,
         )
 
     def _require_runtime(self) -> DiffusionRuntime:
         if self._runtime is None:
             raise NotServingError("the server is still loading and warming up its model; retry shortly")
         return self._runtime
+
+
+async def _entry(future: Future, hit: bool) -> tuple[CacheEntry, float]:
+    """The cache entry a get_or_load future gives, and the ms its load took (0 when it was cached)."""
+    entry = await asyncio.wrap_future(future)
+    return entry, 0.0 if hit else entry.adapter.load_ms
 
 
 def _shipped_adapter_dir(model: str):

@@ -117,6 +117,18 @@ class AdapterIncompatibleError(EngineError):
     reason = ErrorReason.ADAPTER_INCOMPATIBLE
 
 
+class BaseModelMismatchError(EngineError):
+    """The adapter declares a base model other than the one served (or --allow-base); nothing was loaded."""
+
+    reason = ErrorReason.BASE_MODEL_MISMATCH
+
+
+class AdapterPinnedError(EngineError):
+    """Evict named an adapter the server keeps pinned (--pin); it stays cached."""
+
+    reason = ErrorReason.ADAPTER_PINNED
+
+
 class AdapterTooLargeError(EngineError):
     """The adapter is bigger than the server accepts."""
 
@@ -151,3 +163,10 @@ class GenerationFailedError(EngineError):
     """The pipeline raised while generating; the server keeps serving."""
 
     reason = ErrorReason.GENERATION_FAILED
+
+
+class StartupError(Exception):
+    """The engine cannot start with its config (an adapter to preload or pin is unusable, pins overflow the cache).
+
+    Not a caller's error: the message is one line for whoever starts the server, which then exits.
+    """

@@ -88,6 +88,7 @@ class GenerationRequest:
     height: int | None = None
     seed: int | None = None
     image_format: ImageFormat = ImageFormat.PNG
+    preview_every: int = 0  # a preview every this many steps and at the last; 0: none
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,12 @@ class GenerationParams:
     height: int
     seed: int
     image_format: ImageFormat
+    preview_every: int = 0  # a preview every this many steps and at the last; 0: none
+
+    def wants_preview(self, step: int) -> bool:
+        """Whether step `step` (1-based) carries a preview: every preview_every-th step and the last."""
+        every = self.preview_every
+        return every > 0 and (step % every == 0 or step == self.num_inference_steps)
 
     @property
     def adapter(self) -> str:
@@ -119,9 +126,30 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class Queued:
-    """The request waits; position 1 runs next."""
+    """The request waits; position 1 runs next.
+
+    `loading_adapter`: its adapter is still being fetched, read or converted (position 0 then), so a caller can
+    tell "loading adapter" from "waiting for the pipeline".
+    """
 
     position: int
+    loading_adapter: bool = False
+
+
+@dataclass(frozen=True)
+class LatentRgb:
+    """A linear map from a latent pixel to an RGB pixel in about [-1, 1]: rgb = latent @ factors + bias.
+
+    `factors` has one (r, g, b) row per latent channel; they apply to latents as the pipeline
+    denoises them (scaled and shifted, before the VAE's decode undoes that).
+    """
+
+    factors: tuple[tuple[float, float, float], ...]
+    bias: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def channels(self) -> int:
+        return len(self.factors)
 
 
 @dataclass(frozen=True)
@@ -131,6 +159,9 @@ class StepProgress:
     step: int
     total_steps: int
     elapsed_ms: float
+    # With GenerationParams.preview_every: the encoded preview of the latents after this step.
+    preview: bytes = field(default=b"", repr=False)
+    preview_mime_type: str = ""
 
 
 @dataclass(frozen=True)
@@ -178,6 +209,7 @@ class AdapterSummary:
     resident: bool
     load_ms: float
     warnings: tuple[str, ...] = ()
+    pinned: bool = False  # kept out of LRU eviction (--pin)
 
 
 @dataclass(frozen=True)

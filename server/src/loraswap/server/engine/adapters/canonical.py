@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraswap.server.engine.adapters.base_model import BaseModelPolicy
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.errors import (
     AdapterFormatError,
@@ -452,21 +453,30 @@ def _canonical_layers(
         converted_a = a.to(spec.dtype)
         _check_a(a_key, a, converted_a)
         _check_b(b_key, b, baked_b)
-        a = converted_a
-        if spec.pin_memory:
-            a, baked_b = a.pin_memory(), baked_b.pin_memory()
+        a = converted_a.contiguous()
         baked_b = baked_b.contiguous()
         if baked_b.data_ptr() % 16:
             # Tensors read straight from a safetensors file can start anywhere; the slot copies
             # lora_B as 16-byte elements only from 16-byte-aligned memory, which a fresh tensor is.
             baked_b = baked_b.clone()
-        layers[module] = CanonicalLayer(a=a.contiguous(), b=baked_b)
+        if spec.pin_memory:
+            # Last, so that nothing above copies the factors back into pageable memory (a fresh pinned
+            # block is aligned and contiguous like its source).
+            a, baked_b = a.pin_memory(), baked_b.pin_memory()
+        layers[module] = CanonicalLayer(a=a, b=baked_b)
     return layers
 
 
-def load_canonical(adapter_file: AdapterFile, spec: SlotSpec) -> CanonicalAdapter:
-    """Read, convert and validate an adapter file into its canonical form; touches no model."""
+def load_canonical(
+    adapter_file: AdapterFile, spec: SlotSpec, base_models: BaseModelPolicy | None = None
+) -> CanonicalAdapter:
+    """Read, convert and validate an adapter file into its canonical form; touches no model.
+
+    With `base_models`, an adapter declaring another base is refused first, from its header and card alone.
+    """
     started = time.perf_counter()
+    if base_models is not None:
+        base_models.check(adapter_file)
     raw, metadata = _read_safetensors(adapter_file)
     if not raw:
         raise AdapterFormatError(f"adapter {shorten(adapter_file.name)!r} holds no tensors")

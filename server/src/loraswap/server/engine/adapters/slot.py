@@ -38,19 +38,32 @@ members in any order are one slot state with one image; a one-member stack is
 exactly a single adapter. A stack's plan is cached like any other layout; it
 copies layer by layer, so that the members' neighbouring lora_B ranges of a
 layer are written while its rows are in cache.
+
+Rank buckets (rank_buckets.py): the graphs compute with only the first `bucket` ranks of each
+layer's factors (`RankGatedLinear` and `RankBucketedLinear` read views of the same max-rank
+tensors, so swaps still copy into fixed addresses), the smallest bucket at or above the resident
+stack's rank on its fullest layer; with nothing resident the LoRA branch is skipped (PEFT's
+per-layer `_disable_adapters`). The bucket is a Python int on every slot module, which dynamo
+specialises on: each bucket, and the base model, is one graph, compiled during warm-up
+(`computing_at`), all layers switching together. Bucketing is exact up to float summation order:
+the ranks it leaves out are gated to zero in the full-width product too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec
+from loraswap.server.engine.adapters.copy_stream import CopyStream
+from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.errors import AdapterIncompatibleError, ErrorReason
+from loraswap.server.engine.rank_buckets import bucket_for
 from loraswap.server.engine.types import ModelFamily
 
 SLOT_ADAPTER_NAME = "loraswap_slot"
@@ -92,7 +105,7 @@ def check_stack_fits(adapters: Iterable[CanonicalAdapter], max_rank: int) -> Non
 
 
 class RankGatedLinear(torch.nn.Linear):
-    """A bias-free lora_A whose output ranks are switched on and off by the boolean `rank_gate` buffer."""
+    """A bias-free lora_A computing its first `rank_bucket` ranks, switched on and off by the `rank_gate` buffer."""
 
     def __init__(self, lora_a: torch.nn.Linear) -> None:
         torch.nn.Module.__init__(self)
@@ -101,9 +114,29 @@ class RankGatedLinear(torch.nn.Linear):
         self.register_parameter("bias", None)
         gate = torch.zeros(lora_a.out_features, dtype=torch.bool, device=lora_a.weight.device)
         self.register_buffer("rank_gate", gate, persistent=False)
+        self.rank_bucket = lora_a.out_features  # a plain int: dynamo specialises each graph on it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(self.rank_gate, F.linear(x, self.weight), 0.0)
+        bucket = self.rank_bucket
+        if bucket == self.out_features:
+            return torch.where(self.rank_gate, F.linear(x, self.weight), 0.0)
+        return torch.where(self.rank_gate[:bucket], F.linear(x, self.weight[:bucket]), 0.0)
+
+
+class RankBucketedLinear(torch.nn.Linear):
+    """A bias-free lora_B reading only its first `rank_bucket` ranks: those its RankGatedLinear computes."""
+
+    def __init__(self, lora_b: torch.nn.Linear) -> None:
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = lora_b.in_features, lora_b.out_features
+        self.weight = lora_b.weight  # the very parameter PEFT created: nothing is copied
+        self.register_parameter("bias", None)
+        self.rank_bucket = lora_b.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bucket = self.rank_bucket
+        # A view of the first columns: strided rows that matmul reads in place, never a copy of the weight.
+        return F.linear(x, self.weight if bucket == self.in_features else self.weight[:, :bucket])
 
 
 def _as_16_byte_elements(tensor: torch.Tensor) -> torch.Tensor:
@@ -124,6 +157,7 @@ class _SwapPlan:
     targets: list[torch.Tensor]  # slot views, in the order of the members' copy sources
     scaled: list[list[torch.Tensor]]  # per member: its lora_B views in the model's dtype, which its strength multiplies
     ranks: dict[str, int]  # every slot layer's rank once the stack is resident
+    bucket: int  # the rank bucket the graphs compute at while the stack is resident
     # Where each target's source is in the members' sources one after the other (None: in that order).
     order: tuple[int, ...] | None = None
     # Copy sources (after `order`) a member offers as 16-byte elements that must be copied element-wise
@@ -136,6 +170,7 @@ class _LiveLayer:
     a: torch.Tensor  # (max_rank, in) parameter data of lora_A
     b: torch.Tensor  # (out, max_rank) parameter data of lora_B
     gate: torch.Tensor  # (max_rank,) bool: which ranks reach lora_B
+    modules: tuple[torch.nn.Module, RankGatedLinear, RankBucketedLinear]  # PEFT's LoRA layer, its lora_A, lora_B
     resident_rank: int = 0  # ranks [0, resident_rank) are open, the rest closed; -1: unknown
 
 
@@ -150,8 +185,13 @@ class HotswapSlot:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        rank_buckets: tuple[int, ...] | None = None,
     ) -> HotswapSlot:
-        """Enable hotswap at max rank and load a zero-effect, gated placeholder on every layer; before any compile."""
+        """Enable hotswap at max rank and load a zero-effect, gated placeholder on every layer; before any compile.
+
+        `rank_buckets` (ascending, the last max_rank; see rank_buckets.resolve_rank_buckets): the ranks the
+        graphs compute at; None: max_rank only (every adapter computes the full width, the base model none).
+        """
         if hasattr(denoiser, "enable_lora_hotswap"):
             denoiser.enable_lora_hotswap(target_rank=max_rank)
         placeholder = {}
@@ -164,28 +204,45 @@ class HotswapSlot:
         denoiser.to(device)
         denoiser.requires_grad_(False)
         for name in layer_names:
-            lora_a = denoiser.get_submodule(name).lora_A
-            lora_a[SLOT_ADAPTER_NAME] = RankGatedLinear(lora_a[SLOT_ADAPTER_NAME])
-        return cls(denoiser, layer_names, max_rank)
+            module = denoiser.get_submodule(name)
+            module.lora_A[SLOT_ADAPTER_NAME] = RankGatedLinear(module.lora_A[SLOT_ADAPTER_NAME])
+            module.lora_B[SLOT_ADAPTER_NAME] = RankBucketedLinear(module.lora_B[SLOT_ADAPTER_NAME])
+        return cls(denoiser, layer_names, max_rank, rank_buckets)
 
-    def __init__(self, denoiser: torch.nn.Module, layer_names: list[str], max_rank: int) -> None:
+    def __init__(
+        self,
+        denoiser: torch.nn.Module,
+        layer_names: list[str],
+        max_rank: int,
+        rank_buckets: tuple[int, ...] | None = None,
+    ) -> None:
+        rank_buckets = tuple(rank_buckets or (max_rank,))
+        if list(rank_buckets) != sorted(set(rank_buckets)) or rank_buckets[0] < 1 or rank_buckets[-1] != max_rank:
+            raise ValueError(f"rank buckets {rank_buckets} must ascend from 1 and end at max rank {max_rank}")
         self.max_rank = max_rank
+        self.rank_buckets = rank_buckets
         self._denoiser = denoiser
         self._layers: dict[str, _LiveLayer] = {}
         device = None
         for name in layer_names:
             module = denoiser.get_submodule(name)
             lora_a = module.lora_A[SLOT_ADAPTER_NAME]
-            b = module.lora_B[SLOT_ADAPTER_NAME].weight
-            if not isinstance(lora_a, RankGatedLinear):
+            lora_b = module.lora_B[SLOT_ADAPTER_NAME]
+            if not isinstance(lora_a, RankGatedLinear) or not isinstance(lora_b, RankBucketedLinear):
                 raise TypeError(f"slot layer {name} has no rank gate; install the slot with HotswapSlot.install")
+            b = lora_b.weight
             if lora_a.weight.shape[0] != max_rank or b.shape[1] != max_rank:
                 raise RuntimeError(f"slot layer {name} has rank {lora_a.weight.shape[0]}, expected {max_rank}")
-            self._layers[name] = _LiveLayer(a=lora_a.weight.data, b=b.data, gate=lora_a.rank_gate)
+            self._layers[name] = _LiveLayer(
+                a=lora_a.weight.data, b=b.data, gate=lora_a.rank_gate, modules=(module, lora_a, lora_b)
+            )
             device = b.device
         # Row r opens ranks [0, r): the gate of a layer at rank r is a copy of it.
         self._gate_rows = torch.arange(max_rank, device=device) < torch.arange(max_rank + 1, device=device)[:, None]
         self._plans: dict[tuple, _SwapPlan] = {}
+        self._copies = CopyStream(device)  # CUDA: the copies run on a side stream the denoising stream waits on
+        # --device-adapter-bytes (set by the runtime): device copies of hot adapters to copy from instead of the host.
+        self.device_cache: DeviceAdapterCache | None = None
         first = next(iter(self._layers.values()), None)
         # 16-byte views of lora_B need 16-byte-aligned slot rows and start.
         self._dtype = first.b.dtype if first is not None else None
@@ -197,10 +254,57 @@ class HotswapSlot:
         self._consistent = True  # False after a load failed part-way: then nothing is resident for sure
         self._resident_ranks: dict[str, int] | None = None  # the ranks dict of the last load (identity compared)
         self._no_adapter_ranks = {name: 0 for name in self._layers}
+        self._bucket = -1  # what every slot module computes at now (0: the LoRA branch skipped); -1: not yet set
+        self._needed_bucket = 0  # the resident stack's bucket
+        self._bucket_floor = 0  # computing_at: the least bucket to compute at whatever is resident
+        self._set_bucket(0)
 
     @property
     def layer_names(self) -> list[str]:
         return list(self._layers)
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """Every bucket a compiled graph may compute at, the base model's 0 first: one graph each."""
+        return (0, *self.rank_buckets)
+
+    @property
+    def bucket(self) -> int:
+        """The rank bucket the slot computes at now; 0: the LoRA branch is skipped."""
+        return self._bucket
+
+    @contextlib.contextmanager
+    def computing_at(self, bucket: int) -> Iterator[None]:
+        """Compute at `bucket` while inside, whatever is resident (warm-up: compiles that bucket's graph).
+
+        The results do not change: ranks beyond the resident ones are gated to zero. Not below the
+        resident stack's own bucket.
+        """
+        if bucket not in self.graph_buckets or bucket < self._needed_bucket:
+            raise ValueError(f"bucket {bucket} is not one of {self.graph_buckets} at or above the resident stack's")
+        self._bucket_floor = bucket
+        self._set_bucket(bucket)
+        try:
+            yield
+        finally:
+            self._bucket_floor = 0
+            self._set_bucket(self._needed_bucket)
+
+    def _set_bucket(self, bucket: int) -> None:
+        """Make every slot module compute at `bucket` (0: PEFT skips the LoRA branch); all layers alike."""
+        if bucket == self._bucket:
+            return
+        skip = bucket == 0
+        # Straight into each module's __dict__: plain attributes, which nn.Module.__setattr__ would only look up
+        # among parameters, buffers and submodules first (4 us a layer, 2 ms a bucket change on SDXL's slot).
+        # Compiled graphs guard on the values themselves, so they see the change.
+        for live in self._layers.values():
+            layer, lora_a, lora_b = live.modules
+            # PEFT's own switch (its public enable_adapters would also set requires_grad, which guards check).
+            layer.__dict__["_disable_adapters"] = skip
+            if not skip:
+                lora_a.__dict__["rank_bucket"] = lora_b.__dict__["rank_bucket"] = bucket
+        self._bucket = bucket
 
     def spec(self, family: ModelFamily, dtype: torch.dtype, device: torch.device, *, strict: bool = False) -> SlotSpec:
         """What an adapter must fit to be loaded into this slot."""
@@ -262,12 +366,12 @@ class HotswapSlot:
         if self.holds(members):
             return 0.0
         started = time.perf_counter()
-        targets, sources, ranks = [], [], self._no_adapter_ranks
+        targets, sources, ranks, bucket = [], [], self._no_adapter_ranks, 0
         by_scale: dict[float, list[torch.Tensor]] = {}
         if members:
             key, sources = self._stack_sources(members)
             plan = self._plan(key)
-            targets, ranks = plan.targets, plan.ranks
+            targets, ranks, bucket = plan.targets, plan.ranks, plan.bucket
             if plan.order is not None:
                 sources = [sources[index] for index in plan.order]
             if plan.narrowed:
@@ -284,28 +388,31 @@ class HotswapSlot:
                     gates.append(live.gate)
                     gate_rows.append(self._gate_rows[ranks[name]])
         try:
-            # One call each instead of a Python-level copy per tensor (1,120 on SDXL's default slot).
-            if targets:
-                torch._foreach_copy_(targets, sources, non_blocking=True)
-                # One multiply per distinct strength: a single adapter's is one call, as before stacks.
-                for scale, views in by_scale.items():
-                    torch._foreach_mul_(views, self._scale_operand(scale, views[0].device))
-            if gates:
-                torch._foreach_copy_(gates, gate_rows)
-            first = next(iter(self._layers.values()), None)
-            if first is not None and first.a.is_cuda:
-                torch.cuda.current_stream(first.a.device).synchronize()
+            # Into the same tensors, always: CUDA graphs captured from the slot stay valid.
+            with self._copies.copying():
+                # One call each instead of a Python-level copy per tensor (1,120 on SDXL's default slot).
+                if targets:
+                    torch._foreach_copy_(targets, sources, non_blocking=True)
+                    # One multiply per distinct strength: a single adapter's is one call, as before stacks.
+                    for scale, views in by_scale.items():
+                        torch._foreach_mul_(views, self._scale_operand(scale, views[0].device))
+                if gates:
+                    torch._foreach_copy_(gates, gate_rows)
+            self._set_bucket(max(bucket, self._bucket_floor))
         except BaseException:
             # Weights and gates are now in an unknown state: the next load rewrites every gate.
             for live in self._layers.values():
                 live.resident_rank = -1
             self._members, self._consistent = (), False
             self._resident_ranks = None
+            self._needed_bucket = self.max_rank  # until the next load: whatever the weights hold, compute it all
+            self._set_bucket(self.max_rank)
             raise
         if gates:
             for name, rank in ranks.items():
                 self._layers[name].resident_rank = rank
         self._resident_ranks = ranks
+        self._needed_bucket = bucket
         self._members = members
         self._consistent = True
         return (time.perf_counter() - started) * 1000.0
@@ -314,13 +421,17 @@ class HotswapSlot:
         """The plan key of the members' layouts (in stack_order) and their copy sources, in order."""
         if len(members) == 1:
             layout, sources = self._copy_sources(members[0][0])
-            return (layout,), sources  # the adapter's own list, not copied
+            return (layout,), self._hot(members[0][0], sources)  # the adapter's own list, not copied
         layouts, sources = [], []
         for adapter, _ in members:
             layout, adapter_sources = self._copy_sources(adapter)
             layouts.append(layout)
-            sources += adapter_sources
+            sources += self._hot(adapter, adapter_sources)
         return tuple(layouts), sources
+
+    def _hot(self, adapter: CanonicalAdapter, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The adapter's copy sources on the device when the hot set takes it (--device-adapter-bytes), else as given."""
+        return sources if self.device_cache is None else self.device_cache.sources(adapter, sources)
 
     def _copy_sources(self, adapter: CanonicalAdapter) -> tuple[tuple, list[torch.Tensor]]:
         """The adapter's tensors in copy order, and the key of the plan they go with (cached on the adapter)."""
@@ -391,6 +502,7 @@ class HotswapSlot:
                 targets=[target for _, _, pair, _ in copies for target in pair],
                 scaled=scaled,
                 ranks=ranks,
+                bucket=bucket_for(max(ranks.values(), default=0), self.rank_buckets),
                 order=order,
                 narrowed=tuple(2 * index + 1 for index, (*_, narrow) in enumerate(copies) if narrow),
             )

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraswap.server.engine.models.shapes import SHAPES_MAX_SEQUENCE_LENGTH, shapes_adapter_dir
-from loraswap.server.engine.types import ModelDefaults
+from loraswap.server.engine.adapters.base_model import FLUX_DEV, SDXL_BASE
+from loraswap.server.engine.models.shapes import SHAPES_LATENT_RGB, SHAPES_MAX_SEQUENCE_LENGTH, shapes_adapter_dir
+from loraswap.server.engine.types import LatentRgb, ModelDefaults
 
 __all__ = [
     "BUILTINS",
@@ -34,6 +35,8 @@ __all__ = [
 # Written beside model_index.json: the generation defaults (size, steps, guidance,
 # sequence length) that fit the model; read by the engine when serving a folder.
 GENERATION_DEFAULTS_FILE = "loraswap_generation.json"
+# The shapes model is trained here: adapters for it declare this id (it names no Hub repo of anyone else's).
+SHAPES_BASE = "loraswap/shapes"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class BuiltinModel:
     # (torch dtype, layers or None) -> the pipeline on CPU, identical on every call.
     builder: Callable[[Any, int | None], Any]
     defaults: ModelDefaults
+    # The base model adapters for it declare (GetServerInfo's base_model), in adapters/base_model.py's vocabulary.
+    base_model: str
     # The dtype it serves in when --dtype is unset; None: bfloat16 on CUDA, float32 on CPU.
     dtype: str | None = None
     # Demo adapters shipped with it, served when no --adapter-dir is given.
@@ -52,6 +57,8 @@ class BuiltinModel:
     takes_layers: bool = False
     # Whether `loraswap export-model` writes it as a diffusers folder.
     exportable: bool = True
+    # The step previews' latent-to-RGB projection when its VAE is its own; None: its family's published one.
+    latent_rgb: LatentRgb | None = None
 
     def build(self, torch_dtype=None, layers: int | None = None):
         """The pipeline on CPU in `torch_dtype` (None: its serving dtype on CPU), identical on every call.
@@ -139,7 +146,9 @@ BUILTINS: dict[str, BuiltinModel] = {
                 width=64, height=64, num_inference_steps=20, guidance_scale=1.0,
                 max_sequence_length=SHAPES_MAX_SEQUENCE_LENGTH, true_cfg_scale=3.0,
             ),
+            base_model=SHAPES_BASE,
             adapter_dir=shapes_adapter_dir(),
+            latent_rgb=SHAPES_LATENT_RGB,
         ),
         BuiltinModel(
             name="tiny-flux",
@@ -149,11 +158,13 @@ BUILTINS: dict[str, BuiltinModel] = {
             defaults=ModelDefaults(
                 width=64, height=64, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32
             ),
+            base_model=FLUX_DEV,
         ),
         BuiltinModel(
             name="tiny-sdxl",
             builder=_tiny_sdxl,
             defaults=ModelDefaults(width=64, height=64, num_inference_steps=4, guidance_scale=5.0),
+            base_model=SDXL_BASE,
         ),
         # The full-size random models exist to measure swaps and serving overheads on real layer
         # shapes, not to make 1024 px images on a CPU: small defaults. They only fit this machine's
@@ -164,6 +175,7 @@ BUILTINS: dict[str, BuiltinModel] = {
             defaults=ModelDefaults(
                 width=128, height=128, num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32
             ),
+            base_model=FLUX_DEV,
             dtype="bfloat16",
             takes_layers=True,
             exportable=False,
@@ -172,6 +184,7 @@ BUILTINS: dict[str, BuiltinModel] = {
             name="random-sdxl",
             builder=_random_sdxl,
             defaults=ModelDefaults(width=128, height=128, num_inference_steps=4, guidance_scale=5.0),
+            base_model=SDXL_BASE,
             dtype="bfloat16",
             exportable=False,
         ),
