@@ -17,10 +17,12 @@ import pytest
 from loraswap.client import AsyncLoraswapClient, InvalidRequest, LoraswapClient, Progress
 from loraswap.client.aio import build_generate_request
 from loraswap.v1 import diffusion_service_pb2 as pb
-from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
+from tests.client import test_client_fake_server
 from tests.client.test_client_fake_server import FakeDiffusionService, image_for, parse_cli
 
 STEPS = 5
+# The fake server's fixture, serving this module's `service` (the previewing one) on a real port.
+target = test_client_fake_server.target
 
 
 def preview_bytes(step: int) -> bytes:
@@ -46,16 +48,6 @@ async def service() -> FakeDiffusionService:
     service = FakeDiffusionService()
     service.generate_behaviour = previewing_generation
     return service
-
-
-@pytest.fixture
-async def target(service: FakeDiffusionService) -> AsyncIterator[str]:
-    server = grpc.aio.server()
-    pb_grpc.add_DiffusionServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield f"127.0.0.1:{port}"
-    await server.stop(None)
 
 
 async def test_progress_exposes_the_preview_and_its_type(target: str, service: FakeDiffusionService) -> None:
