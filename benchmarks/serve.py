@@ -34,7 +34,6 @@ import itertools
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.processes import stop_process
 from benchmarks.swap import ATTENTION_PROJECTIONS, log, machine_info, summarize
 
 DEFAULT_MODEL = "tiny-flux"
@@ -255,13 +255,7 @@ class ServerProcess:
         return time.perf_counter() - started
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._log.close()
 
 

@@ -26,7 +26,6 @@ import itertools
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from benchmarks.processes import stop_process
 
 PROMPT = "a red circle on a blue background"
 PHASE_LINE = re.compile(r"start-up (?P<phase>[\w-]+): (?P<seconds>[\d.]+) s")
@@ -107,13 +108,7 @@ class Start:
         return {"phases_s": phases, "cache_lookups": lookups}
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._log.close()
 
 
