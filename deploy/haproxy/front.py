@@ -5,8 +5,9 @@
         --replica-ca ca.pem -- --tls-cert r.crt --tls-key r.key     (TLS at the front and to the replicas)
 
 It waits until every replica answers SERVING on the gRPC health service, renders
-deploy/haproxy/haproxy.cfg for those replicas (only the `bind` and `server` lines
-change; every other knob is the file's), starts HAProxy, waits until HAProxy sees
+deploy/haproxy/haproxy.cfg for those replicas (only the `bind` and `server` lines,
+the per-replica least-busy rules and the hot share's 5N change; every other knob is
+the file's), starts HAProxy, waits until HAProxy sees
 every replica up, prints one JSON line with the front's address, and runs until
 SIGINT/SIGTERM, then stops everything. The tests and benchmarks/scaleout.py use
 `LocalFront` directly.
@@ -37,6 +38,11 @@ BIND_LINE = re.compile(r"^(\s*)bind 127\.0\.0\.1:\d+ proto h2$", re.MULTILINE)
 STATS_LINE = re.compile(r"^(\s*)stats socket \S+", re.MULTILINE)
 BALANCE_LINE = re.compile(r"^(\s*)balance \S+$", re.MULTILINE)
 FACTOR_LINE = re.compile(r"^(\s*)hash-balance-factor \d+$", re.MULTILINE)
+# The hot-adapter rules: 5N in "more than 2/(5N) of all calls", the least-busy block written per replica, and the
+# rule that sends a hot adapter's call to the least busy replica.
+HOT_SHARE = re.compile(r"(sc_http_req_rate\(0\),mul\()\d+(\))")
+LEAST_BUSY_BLOCK = re.compile(r"^(\s*)# BEGIN least busy replica.*?^\s*# END least busy replica$", re.MULTILINE | re.DOTALL)
+USE_LEAST_BUSY = re.compile(r"^\s*use-server %\[var\(txn\.least_busy\)\].*\n", re.MULTILINE)
 
 
 def render_config(
@@ -48,17 +54,30 @@ def render_config(
     front_pem: Path | None = None,
     replica_ca: Path | None = None,
     replica_name: str = "localhost",
+    hot_adapters: bool = True,
 ) -> str:
     """deploy/haproxy/haproxy.cfg with its bind address (`127.0.0.1:PORT`, or `fd@N` for a socket the caller
     opened), stats socket and server lines for these replicas; `balance` replaces the balance algorithm
     (benchmarks compare `roundrobin`) and `balance_factor` the hash-balance-factor.
 
     `front_pem` (certificate chain, then private key, in one PEM file) terminates TLS at the front; `replica_ca`
-    re-encrypts to replicas that serve TLS with certificates it signed for `replica_name`, health checks too."""
+    re-encrypts to replicas that serve TLS with certificates it signed for `replica_name`, health checks too.
+    `hot_adapters=False` leaves out the rule that sends a hot adapter's calls to the least busy replica (the
+    tests of the balance factor's bound alone)."""
     text = CONFIG.read_text()
     servers = [m for m in SERVER_LINE.finditer(text)]
-    if not servers or not BIND_LINE.search(text):
-        raise ValueError(f"{CONFIG} has no `bind 127.0.0.1:PORT proto h2` or `server replicaN` lines to render")
+    block = LEAST_BUSY_BLOCK.search(text)
+    if not servers or not BIND_LINE.search(text) or block is None or not HOT_SHARE.search(text):
+        raise ValueError(
+            f"{CONFIG} lacks a line front.py renders: `bind 127.0.0.1:PORT proto h2`, `server replicaN`, "
+            "the least-busy block or the hot share's `sc_http_req_rate(0),mul(5N)`"
+        )
+    names = [f"replica{i}" for i in range(1, len(replica_ports) + 1)]
+    text = text[: block.start()] + least_busy_block(block.group(1), names) + text[block.end() :]
+    text = HOT_SHARE.sub(lambda m: f"{m.group(1)}{5 * len(replica_ports)}{m.group(2)}", text)
+    if not hot_adapters:
+        text = USE_LEAST_BUSY.sub("", text)
+    servers = [m for m in SERVER_LINE.finditer(text)]
     indent = servers[0].group(1)
     tls = ""
     if replica_ca is not None:
@@ -72,6 +91,24 @@ def render_config(
     if balance_factor is not None:
         text = FACTOR_LINE.sub(lambda m: f"{m.group(1)}hash-balance-factor {balance_factor}", text)
     return STATS_LINE.sub(lambda m: f"{m.group(1)}stats socket {stats_socket}", text)
+
+
+def least_busy_block(indent: str, names: list[str]) -> str:
+    """Rules that leave in txn.least_busy the replica with the fewest calls open among those up and not drained,
+    ties broken at random (a fixed order would send every tie to the first replica), computed only for a hot
+    adapter's call (when txn.least_busy_score is set): a replica's score is its open calls x 1000 + rand(1000)."""
+    lines = [f"{indent}# BEGIN least busy replica (deploy/haproxy/front.py writes these four lines for each replica)"]
+    hot = "{ var(txn.least_busy_score) -m found }"
+    for name in names:
+        lines += [
+            f"{indent}http-request set-var(txn.tie) rand(1000) if {hot}",
+            f"{indent}http-request set-var(txn.score) srv_conn({name}),mul(1000),add(txn.tie) if {hot}",
+            f"{indent}http-request set-var(txn.least_busy) str({name}) if {hot} {{ srv_is_up({name}) }} "
+            f"{{ srv_weight({name}) gt 0 }} {{ var(txn.score),sub(txn.least_busy_score) lt 0 }}",
+            f"{indent}http-request set-var(txn.least_busy_score) var(txn.score) if {{ var(txn.least_busy) -m str {name} }}",
+        ]
+    lines.append(f"{indent}# END least busy replica")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -161,6 +198,7 @@ class LocalFront:
     env: dict[str, str] | None = None
     balance: str | None = None  # None: the file's (hdr(lora))
     balance_factor: int | None = None  # None: the file's
+    hot_adapters: bool = True  # False: no least-busy rule for hot adapters (the bound alone decides)
     # TLS at the front: its certificate chain and private key (PEM files; HAProxy gets them joined in one).
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -218,6 +256,7 @@ class LocalFront:
                     self.balance_factor,
                     front_pem=front_pem,
                     replica_ca=self.replica_ca,
+                    hot_adapters=self.hot_adapters,
                 )
             )
             with listener:

@@ -42,7 +42,10 @@ LONG_SIZE = 128
 # What a busy two-core machine may add to "within a step": scheduling, the proxy hop, the next call's set-up.
 SLACK_MS = 750.0
 # Each test names its own adapters (copies of the shipped ones), so what one replica holds is that test's doing.
-ADAPTERS = ("outline", "purple", "swap-colors", "hot", "cancelled", "deadline", "streamed")
+ADAPTERS = ("outline", "purple", "swap-colors", "hot", "popular", "cancelled", "deadline", "streamed")
+# The shipped rule's thresholds: an adapter is hot from its 10th call in 60 s, once the backend took 20.
+HOT_AFTER_CALLS = 10
+BACKEND_BUSY_CALLS = 20
 
 
 def _shipped_adapters() -> Path:
@@ -58,10 +61,10 @@ def front(tmp_path_factory):
     for index, name in enumerate(ADAPTERS):
         source = next((path for path in shipped if path.name == name), shipped[index % len(shipped)])
         shutil.copytree(source, adapter_dir / name)
-    # Three replicas: with two, a balance factor of 250% of the mean never binds (one replica may take 125% of
-    # all outstanding calls), so nothing would ever spill.
+    # Four replicas: the shipped balance factor (300% of the mean) binds from four on; with three, one replica
+    # may hold every open call, so nothing would ever spill on the bound alone.
     flags = [*SERVE_FLAGS, "--adapter-dir", str(adapter_dir)]
-    with LocalFront(replicas=3, serve_flags=flags, ready_timeout=300) as running:
+    with LocalFront(replicas=4, serve_flags=flags, ready_timeout=300) as running:
         yield running
 
 
@@ -91,6 +94,14 @@ def _replica_that_took_one_more(front: LocalFront, before: dict[str, int]) -> in
     took = [name for name in after if after[name] > before.get(name, 0)]
     assert len(took) == 1, f"expected one replica to take the call: {before} -> {after}"
     return int(took[0].removeprefix("replica")) - 1
+
+
+def _wait_until_no_call_is_open(front: LocalFront) -> None:
+    """Until the calls an earlier test cancelled have ended on their replicas (within a step each)."""
+    deadline = time.monotonic() + 30
+    while any((now := _calls_now(front)).values()):
+        assert time.monotonic() < deadline, f"cancelled calls still open: {now}"
+        time.sleep(0.05)
 
 
 def _step_ms(progress: list[pb.Progress]) -> float:
@@ -169,7 +180,8 @@ def test_queued_and_progress_events_stream_through_the_front_as_they_happen(fron
 def test_a_hot_adapter_spills_to_a_second_replica_once_the_first_is_over_its_bound(front) -> None:
     """Calls for one adapter, opened one by one and held open (each queues behind the first on its replica):
     they stay on the adapter's replica while it is within hash-balance-factor% of the mean of outstanding
-    calls, the first call beyond that bound goes to another replica, and that replica then holds the adapter."""
+    calls, the first call beyond that bound goes to another replica, and that replica then holds the adapter.
+    All within fewer calls than make an adapter hot, so the bound alone decides (the next test is the hot rule)."""
     factor = int(FACTOR_LINE.search(CONFIG.read_text()).group(0).split()[-1])
     replicas = len(front.started)
     assert factor < 100 * replicas, f"with hash-balance-factor {factor} one of {replicas} replicas never fills"
@@ -191,6 +203,7 @@ def test_a_hot_adapter_spills_to_a_second_replica_once_the_first_is_over_its_bou
                 placements.append((took, before.get(first, 0), open_calls))
                 if took != first:
                     break
+                assert len(placements) < HOT_AFTER_CALLS - 1, f"no spill before the hot rule applies: {placements}"
             first = placements[0][0]
             assert placements[-1][0] != first, f"a hot adapter never left its replica: {placements}"
             # HAProxy's bound: the open calls (with the new one) times the factor, shared over the replicas.
@@ -211,6 +224,39 @@ def test_a_hot_adapter_spills_to_a_second_replica_once_the_first_is_over_its_bou
     holders = sorted(address for address, names in _cached_on(front).items() if "hot" in names)
     assert holders == sorted(front.started[int(name.removeprefix("replica")) - 1].address
                              for name in {placements[0][0], placements[-1][0]})  # fmt: skip
+
+
+def test_a_hot_adapter_goes_to_the_least_busy_replica_and_ends_up_on_every_one(front) -> None:
+    """Once one adapter takes most of the recent calls (past HOT_AFTER_CALLS of its own and BACKEND_BUSY_CALLS
+    in all), each of its calls goes to the replica with the fewest calls open: long calls opened one by one fill
+    every replica evenly, two each, where the ring and its bound would have stacked them on the adapter's replica
+    up to 300% of the mean (without the rule this test saw [6, 2, 0, 0] open calls), and every replica
+    then holds the adapter."""
+    _wait_until_no_call_is_open(front)
+    with grpc.insecure_channel(front.address) as channel:
+        stub = pb_grpc.DiffusionServiceStub(channel)
+        for seed in range(BACKEND_BUSY_CALLS):  # short calls, one at a time: the adapter becomes hot
+            responses = list(stub.Generate(_request("popular", 1, seed), metadata=_lora("popular"), timeout=120))
+            assert responses[-1].WhichOneof("event") == "image"
+        replicas = len(front.started)
+        calls = []
+        try:
+            for seed in range(2 * replicas):
+                before = _calls_now(front)
+                calls.append(stub.Generate(_request("popular", LONG_STEPS, seed), metadata=_lora("popular"), timeout=120))
+                deadline = time.monotonic() + 10
+                while sum((now := _calls_now(front)).values()) < sum(before.values()) + 1:
+                    assert time.monotonic() < deadline, f"the call did not reach a replica: {now}"
+                    time.sleep(0.02)
+            assert sorted(now.values()) == [2] * replicas, f"hot calls were not spread by open calls: {now}"
+            deadline = time.monotonic() + 30
+            while len(holders := [a for a, names in _cached_on(front).items() if "popular" in names]) < replicas:
+                assert time.monotonic() < deadline, f"the hot adapter is held by {holders} only"
+                time.sleep(0.1)
+        finally:
+            for call in calls:
+                call.cancel()
+    _wait_until_no_call_is_open(front)
 
 
 def test_a_client_cancel_through_the_front_stops_the_generation_on_its_replica_within_a_step(front) -> None:

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from deploy.haproxy.front import render_config
+from deploy.haproxy.front import CONFIG, render_config
 
 from tests.support.certificates import TestCertificateAuthority
 
@@ -59,3 +59,31 @@ def test_haproxy_refuses_a_front_certificate_without_its_key(tmp_path) -> None:
     config = render_config(PORTS, "127.0.0.1:50050", tmp_path / "haproxy.sock", front_pem=front_pem)
     with pytest.raises(AssertionError):
         _check(config, tmp_path)
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 5])
+def test_hot_adapter_rules_are_written_for_every_replica_and_their_count(tmp_path, replicas) -> None:
+    """The least-busy rules name every replica once (and no other), the hot share's 5N follows the replica count,
+    and the file as shipped is exactly the 3-replica rendering of those lines."""
+    ports = list(range(50061, 50061 + replicas))
+    config = render_config(ports, "127.0.0.1:50050", tmp_path / "haproxy.sock")
+    names = [f"replica{i}" for i in range(1, replicas + 1)]
+    chosen = _lines(config, "http-request set-var(txn.least_busy) str(")
+    assert [line.split("str(")[1].split(")")[0] for line in chosen] == names
+    for name in names:
+        assert sum(f"srv_conn({name})" in line for line in _lines(config, "http-request set-var(txn.score)")) == 1
+    assert _lines(config, "acl adapter_over_two_fifths_of_a_replica") == [
+        f"acl adapter_over_two_fifths_of_a_replica sc_http_req_rate(0),mul({5 * replicas}),sub(txn.all_calls_x2) gt 0"
+    ]
+    assert _lines(config, "use-server ") == ["use-server %[var(txn.least_busy)] if { var(txn.least_busy) -m found }"]
+    _check(config, tmp_path)
+    if replicas == 3:
+        shipped = [line.strip() for line in CONFIG.read_text().splitlines() if "least_busy" in line or "mul(" in line]
+        assert shipped == [line.strip() for line in config.splitlines() if "least_busy" in line or "mul(" in line]
+
+
+def test_without_hot_adapters_only_the_ring_and_its_bound_place_calls(tmp_path) -> None:
+    config = render_config(PORTS, "127.0.0.1:50050", tmp_path / "haproxy.sock", hot_adapters=False)
+    assert _lines(config, "use-server ") == []
+    assert _lines(config, "balance ") == ["balance hdr(lora)"]
+    _check(config, tmp_path)
