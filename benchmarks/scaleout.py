@@ -6,8 +6,8 @@ loopback only), sends `--requests` Generates from `--clients` concurrent clients
 adapter in the `lora` metadata HAProxy hashes on), and prints one JSON object: adapter loads
 summed over the replicas (from each replica's ListAdapters) against the ideal of one load per
 distinct adapter, the busiest replica's share of requests over the mean (from HAProxy's
-counters), and latency percentiles; then the same workload under `balance roundrobin` for
-comparison. Bounded in count, and every call in time.
+counters), and latency percentiles; then the same workload under plain `balance roundrobin` (no
+hot-adapter rule either) for comparison. Bounded in count, and every call in time.
 
     python -m benchmarks.scaleout                                  # 3 replicas, 300 requests, 8 clients
     python -m benchmarks.scaleout --requests 60 --adapters 10      # a quick look
@@ -63,20 +63,21 @@ async def drive(address: str, sequence: list[str], clients: int, steps: int, tim
     return latencies
 
 
-def replica_figures(front) -> tuple[int, list[int]]:
-    """(adapters loaded, summed over replicas; requests each replica served) after a run."""
+def replica_figures(front) -> tuple[dict[str, int], list[int]]:
+    """(adapter -> how many replicas hold it; requests each replica served) after a run."""
     import grpc
 
     from loraswap.v1 import diffusion_service_pb2 as pb
     from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 
-    loads = 0
+    holders: dict[str, int] = {}
     for replica in front.started:
         with grpc.insecure_channel(replica.address) as channel:
             listing = pb_grpc.DiffusionServiceStub(channel).ListAdapters(pb.ListAdaptersRequest(), timeout=30)
-        loads += len(listing.adapters)
+        for adapter in listing.adapters:
+            holders[adapter.id] = holders.get(adapter.id, 0) + 1
     served = [int(row["stot"]) for row in front.server_stats().values()]  # the calls each replica took
-    return loads, served
+    return holders, served
 
 
 def run_front(args, adapter_dir: Path, sequence: list[str], balance: str) -> dict:
@@ -86,23 +87,36 @@ def run_front(args, adapter_dir: Path, sequence: list[str], balance: str) -> dic
         "--model", "shapes", "--adapter-dir", str(adapter_dir), "--no-compile", "--torch-threads", "1",
         "--log-level", "WARNING", "--max-queue", str(len(sequence)),
     ]  # fmt: skip
-    front = LocalFront(replicas=args.replicas, serve_flags=flags, balance=balance, balance_factor=args.balance_factor)
+    # Plain round-robin for comparison: without the hot-adapter rule too, which would steer the popular adapters.
+    hot_adapters = balance != "roundrobin"
+    front = LocalFront(
+        replicas=args.replicas,
+        serve_flags=flags,
+        balance=balance,
+        balance_factor=args.balance_factor,
+        hot_adapters=hot_adapters,
+    )
     with front:
         started = time.perf_counter()
         latencies = asyncio.run(drive(front.address, sequence, args.clients, args.steps, args.timeout))
         elapsed = time.perf_counter() - started
-        loads, served = replica_figures(front)
+        holders, served = replica_figures(front)
+    loads = sum(holders.values())
     distinct = len(set(sequence))
+    requests = {name: sequence.count(name) for name in holders}
     mean = statistics.fmean(served)
     return {
         "balance": balance,
         "balance_factor": args.balance_factor,
+        "hot_adapters": hot_adapters,
         "replicas": args.replicas,
         "requests": len(sequence),
         "distinct_adapters": distinct,
         "adapter_loads": loads,
         "loads_over_ideal": round(loads / distinct, 3),
         "requests_per_replica": served,
+        # adapter -> [its requests, replicas holding it], for those held by more than one
+        "held_by_several": {name: [requests[name], count] for name, count in sorted(holders.items()) if count > 1},
         "max_replica_share_over_mean": round(max(served) / mean, 3),
         "p50_ms": round(percentile(latencies, 0.5), 1),
         "p99_ms": round(percentile(latencies, 0.99), 1),
