@@ -5,9 +5,9 @@
         --replica-ca ca.pem -- --tls-cert r.crt --tls-key r.key     (TLS at the front and to the replicas)
 
 It waits until every replica answers SERVING on the gRPC health service, renders
-deploy/haproxy/haproxy.cfg for those replicas (only the `bind` and `server` lines,
-the per-replica least-busy rules and the hot share's 5N change; every other knob is
-the file's), starts HAProxy, waits until HAProxy sees
+deploy/haproxy/haproxy.cfg for those replicas (only the `bind`, `stats socket` and
+`server` lines, the per-replica least-busy rules and the hot share's 5N change; every
+other knob is the file's), starts HAProxy, waits until HAProxy sees
 every replica up, prints one JSON line with the front's address, and runs until
 SIGINT/SIGTERM, then stops everything. The tests and benchmarks/scaleout.py use
 `LocalFront` directly.
@@ -41,7 +41,9 @@ FACTOR_LINE = re.compile(r"^(\s*)hash-balance-factor \d+$", re.MULTILINE)
 # The hot-adapter rules: 5N in "more than 2/(5N) of all calls", the least-busy block written per replica, and the
 # rule that sends a hot adapter's call to the least busy replica.
 HOT_SHARE = re.compile(r"(sc_http_req_rate\(0\),mul\()\d+(\))")
-LEAST_BUSY_BLOCK = re.compile(r"^(\s*)# BEGIN least busy replica.*?^\s*# END least busy replica$", re.MULTILINE | re.DOTALL)
+LEAST_BUSY_BLOCK = re.compile(
+    r"^(\s*)# BEGIN least busy replica.*?^\s*# END least busy replica$", re.MULTILINE | re.DOTALL
+)
 USE_LEAST_BUSY = re.compile(r"^\s*use-server %\[var\(txn\.least_busy\)\].*\n", re.MULTILINE)
 
 
@@ -94,17 +96,22 @@ def render_config(
 
 
 def least_busy_block(indent: str, names: list[str]) -> str:
-    """Rules that leave in txn.least_busy the replica with the fewest calls open among those up and not drained,
-    ties broken at random (a fixed order would send every tie to the first replica), computed only for a hot
-    adapter's call (when txn.least_busy_score is set): a replica's score is its open calls x 1000 + rand(1000)."""
-    lines = [f"{indent}# BEGIN least busy replica (deploy/haproxy/front.py writes these four lines for each replica)"]
+    """Rules that leave in txn.least_busy the replica with the fewest calls, open on it or waiting for it in
+    HAProxy's queue, among those up with a weight above 0 (what an operator sets to drain one: HAProxy 2.6 has no
+    sample fetch for `state drain`), ties broken at random (a fixed order would send every tie to the first
+    replica); computed only for a hot adapter's call (when txn.least_busy_score is set): a replica's score is
+    (open + queued calls) x 1000 + rand(1000)."""
+    lines = [f"{indent}# BEGIN least busy replica (deploy/haproxy/front.py writes these five lines for each replica)"]
     hot = "{ var(txn.least_busy_score) -m found }"
     for name in names:
         lines += [
             f"{indent}http-request set-var(txn.tie) rand(1000) if {hot}",
-            f"{indent}http-request set-var(txn.score) srv_conn({name}),mul(1000),add(txn.tie) if {hot}",
-            f"{indent}http-request set-var(txn.least_busy) str({name}) if {hot} {{ srv_is_up({name}) }} "
-            f"{{ srv_weight({name}) gt 0 }} {{ var(txn.score),sub(txn.least_busy_score) lt 0 }}",
+            f"{indent}http-request set-var(txn.queued) srv_queue({name}) if {hot}",
+            f"{indent}http-request set-var(txn.score) srv_conn({name}),add(txn.queued),mul(1000),add(txn.tie) if {hot}",
+            (
+                f"{indent}http-request set-var(txn.least_busy) str({name}) if {hot} {{ srv_is_up({name}) }} "
+                f"{{ srv_weight({name}) gt 0 }} {{ var(txn.score),sub(txn.least_busy_score) lt 0 }}"
+            ),
             f"{indent}http-request set-var(txn.least_busy_score) var(txn.score) if {{ var(txn.least_busy) -m str {name} }}",
         ]
     lines.append(f"{indent}# END least busy replica")

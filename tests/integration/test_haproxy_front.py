@@ -104,6 +104,32 @@ def _wait_until_no_call_is_open(front: LocalFront) -> None:
         time.sleep(0.05)
 
 
+def _make_hot(front: LocalFront, adapter: str) -> None:
+    """BACKEND_BUSY_CALLS short calls for `adapter`, one at a time: it is then hot for the front's rule (at
+    least HOT_AFTER_CALLS of its own among at least BACKEND_BUSY_CALLS in the last 60 s, well over 2/(5N))."""
+    _wait_until_no_call_is_open(front)
+    with grpc.insecure_channel(front.address) as channel:
+        stub = pb_grpc.DiffusionServiceStub(channel)
+        for seed in range(BACKEND_BUSY_CALLS):
+            responses = list(stub.Generate(_request(adapter, 1, seed), metadata=_lora(adapter), timeout=120))
+            assert responses[-1].WhichOneof("event") == "image"
+    _wait_until_no_call_is_open(front)
+
+
+def _open_long_calls(front: LocalFront, stub, adapter: str, count: int, calls: list) -> dict[str, int]:
+    """Open `count` long calls for `adapter` one by one, each once the last has reached a replica (so the front
+    sees it when it places the next); they go into `calls` (the caller cancels them). Returns the open calls
+    per replica at the end."""
+    for seed in range(count):
+        before = sum(_calls_now(front).values())
+        calls.append(stub.Generate(_request(adapter, LONG_STEPS, seed), metadata=_lora(adapter), timeout=120))
+        deadline = time.monotonic() + 10
+        while sum((now := _calls_now(front)).values()) < before + 1:
+            assert time.monotonic() < deadline, f"the call did not reach a replica: {now}"
+            time.sleep(0.02)
+    return now
+
+
 def _step_ms(progress: list[pb.Progress]) -> float:
     return max(event.elapsed_ms / event.step for event in progress)
 
@@ -232,22 +258,12 @@ def test_a_hot_adapter_goes_to_the_least_busy_replica_and_ends_up_on_every_one(f
     every replica evenly, two each, where the ring and its bound would have stacked them on the adapter's replica
     up to 300% of the mean (without the rule this test saw [6, 2, 0, 0] open calls), and every replica
     then holds the adapter."""
-    _wait_until_no_call_is_open(front)
+    _make_hot(front, "popular")
+    replicas = len(front.started)
     with grpc.insecure_channel(front.address) as channel:
-        stub = pb_grpc.DiffusionServiceStub(channel)
-        for seed in range(BACKEND_BUSY_CALLS):  # short calls, one at a time: the adapter becomes hot
-            responses = list(stub.Generate(_request("popular", 1, seed), metadata=_lora("popular"), timeout=120))
-            assert responses[-1].WhichOneof("event") == "image"
-        replicas = len(front.started)
         calls = []
         try:
-            for seed in range(2 * replicas):
-                before = _calls_now(front)
-                calls.append(stub.Generate(_request("popular", LONG_STEPS, seed), metadata=_lora("popular"), timeout=120))
-                deadline = time.monotonic() + 10
-                while sum((now := _calls_now(front)).values()) < sum(before.values()) + 1:
-                    assert time.monotonic() < deadline, f"the call did not reach a replica: {now}"
-                    time.sleep(0.02)
+            now = _open_long_calls(front, pb_grpc.DiffusionServiceStub(channel), "popular", 2 * replicas, calls)
             assert sorted(now.values()) == [2] * replicas, f"hot calls were not spread by open calls: {now}"
             deadline = time.monotonic() + 30
             while len(holders := [a for a, names in _cached_on(front).items() if "popular" in names]) < replicas:
@@ -256,6 +272,26 @@ def test_a_hot_adapter_goes_to_the_least_busy_replica_and_ends_up_on_every_one(f
         finally:
             for call in calls:
                 call.cancel()
+    _wait_until_no_call_is_open(front)
+
+
+def test_a_hot_adapter_avoids_a_replica_an_operator_set_to_weight_0(front) -> None:
+    """`set weight loraswap_replicas/replicaN 0` on HAProxy's runtime API takes a replica out for the hot rule
+    too (the README's operator drain): hot calls opened one by one fill the other replicas and never it."""
+    _make_hot(front, "popular")
+    replicas = len(front.started)
+    front.runtime_api("set weight loraswap_replicas/replica2 0")
+    try:
+        with grpc.insecure_channel(front.address) as channel:
+            calls = []
+            try:
+                now = _open_long_calls(front, pb_grpc.DiffusionServiceStub(channel), "popular", replicas - 1, calls)
+                assert now["replica2"] == 0 and sorted(now.values()) == [0] + [1] * (replicas - 1), now
+            finally:
+                for call in calls:
+                    call.cancel()
+    finally:
+        front.runtime_api("set weight loraswap_replicas/replica2 100")
     _wait_until_no_call_is_open(front)
 
 
