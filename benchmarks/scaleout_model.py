@@ -10,7 +10,9 @@ chash_server_is_eligible: the open calls plus the new one times the factor, roun
 and the hot-adapter rule of deploy/haproxy/haproxy.cfg (an adapter with at least `--hot-min-calls` of the last
 calls, out of at least `--busy-calls`, and more than `--hot-share` of them, goes to the replica with the
 fewest open calls, ties at random). Ring points and adapter names are random per ring, so this is a model of
-a ring, not HAProxy's own hash of these names. It prints one JSON object per policy: over `--rings` rings,
+a ring, not HAProxy's own hash of these names; every replica stays usable (none down or drained), and the hot
+rule counts the last `--window` calls (by default all of them: a run is shorter than HAProxy's 60 s period,
+whose rate decays over the period before). It prints one JSON object per policy: over `--rings` rings,
 how often both scale-out targets (loads_over_ideal <= 1.2, max_replica_share_over_mean <= 1.25) were met, and
 the median and 90th percentile of each figure.
 
@@ -55,7 +57,9 @@ class Policy:
 
 class Ring:
     def __init__(self, servers: int, weight: int, rng: random.Random) -> None:
-        points = sorted((rng.randrange(RING_SPACE), s) for s in range(servers) for _ in range(weight * POINTS_PER_WEIGHT))
+        points = sorted(
+            (rng.randrange(RING_SPACE), s) for s in range(servers) for _ in range(weight * POINTS_PER_WEIGHT)
+        )
         self.keys = [key for key, _ in points]
         self.owners = [owner for _, owner in points]
 
@@ -141,8 +145,8 @@ def summarise(policy: Policy, args) -> dict:
         "hot_share": policy.hot_share,
         "rings": args.rings,
         "both_targets_met": round(sum(l <= 1.2 and s <= 1.25 for l, s in figures) / len(figures), 3),
-        "loads_over_ideal": {"median": at(loads, 0.5), "p90": at(loads, 0.9)},
-        "max_replica_share_over_mean": {"median": at(shares, 0.5), "p90": at(shares, 0.9)},
+        "loads_over_ideal": {"median": round(statistics.median(loads), 3), "p90": at(loads, 0.9)},
+        "max_replica_share_over_mean": {"median": round(statistics.median(shares), 3), "p90": at(shares, 0.9)},
     }
 
 
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     hot_share = 2 / (5 * args.replicas)
     policies = [Policy(f"bound alone, factor {f}", int(f)) for f in args.factors.split(",")]
     policies += [Policy(f"hot rule + factor {f}", f, hot_share) for f in (275, 300)]
-    policies += [Policy(f"hot rule 1/(2N) + factor 300", 300, 1 / (2 * args.replicas))]
+    policies += [Policy("hot rule 1/(2N) + factor 300", 300, 1 / (2 * args.replicas))]
     for policy in policies:
         print(json.dumps(summarise(policy, args)), flush=True)
     return 0
