@@ -124,13 +124,19 @@ def run_front(args, adapter_dir: Path, sequence: list[str], balance: str) -> dic
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload's shape, shared with benchmarks/scaleout_model.py: replicas, and requests from closed-loop
+    clients over adapters drawn Zipf."""
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--adapters", type=int, default=30)
     parser.add_argument("--zipf", type=float, default=1.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_arguments(parser)
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline of each call, seconds")
     parser.add_argument("--seed", type=int, default=0)

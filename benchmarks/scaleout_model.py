@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from benchmarks.queue_policy import zipf_sequence
+from benchmarks.scaleout import add_workload_arguments
 
 RING_SPACE = 2**32
 POINTS_PER_WEIGHT = 16  # HAProxy's BE_WEIGHT_SCALE: ring points per unit of weight
@@ -152,11 +153,7 @@ def summarise(policy: Policy, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--adapters", type=int, default=30)
-    parser.add_argument("--zipf", type=float, default=1.1)
+    add_workload_arguments(parser)
     parser.add_argument("--weight", type=int, default=100)
     parser.add_argument("--rings", type=int, default=60, help="random rings (and request sequences) per policy")
     parser.add_argument("--call-time", type=float, default=1.0, help="a call's time on its replica")
