@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import sys
 
 import grpc
 import pytest
@@ -197,6 +198,35 @@ async def test_health_and_reflection_need_no_token(secured_server, pki) -> None:
             return list(ProtoReflectionDescriptorDatabase(channel).get_services())
 
     assert "loraswap.v1.DiffusionService" in await asyncio.to_thread(list_services)
+
+
+async def _probe(server, *flags: str) -> tuple[int, str]:
+    """`python -m loraswap.server.healthcheck 127.0.0.1:PORT FLAGS` as a container runs it: exit code, stdout.
+    A subprocess the event loop waits on, so the server in this loop keeps answering."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loraswap.server.healthcheck", f"127.0.0.1:{server.port}", "--timeout", "10", *flags,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, _ = await asyncio.wait_for(process.communicate(), 60)
+    return process.returncode, stdout.decode().strip()
+
+
+async def test_the_health_probe_speaks_tls_with_the_servers_ca(secured_server, pki) -> None:
+    """The Docker HEALTHCHECK probe on a TLS server: SERVING over TLS with --tls-ca (no token needed), unhealthy
+    in plaintext or when the certificate does not carry the name it is told to check."""
+    ca = str(pki.files["ca"])
+    assert await _probe(secured_server, "--tls-ca", ca) == (0, "SERVING")
+    assert await _probe(secured_server, "--tls-ca", ca, "--tls-server-name", "localhost") == (0, "SERVING")
+    assert (await _probe(secured_server))[0] == 1
+    assert (await _probe(secured_server, "--tls-ca", ca, "--tls-server-name", "elsewhere.example"))[0] == 1
+
+
+async def test_the_health_probe_presents_a_client_certificate_to_an_mtls_server(mtls_server, pki, tmp_path) -> None:
+    cert, key = pki.ca.issue_client().write(tmp_path, "probe")
+    ca = str(pki.files["ca"])
+    assert await _probe(mtls_server, "--tls-ca", ca, "--tls-cert", str(cert), "--tls-key", str(key)) == (0, "SERVING")
+    assert (await _probe(mtls_server, "--tls-ca", ca))[0] == 1
+    assert (await _probe(mtls_server, "--tls-cert", str(cert), "--tls-key", str(key)))[0] == 2  # no --tls-ca
 
 
 async def test_tokens_are_never_logged(secured_server, pki, caplog: pytest.LogCaptureFixture) -> None:
