@@ -213,6 +213,9 @@ class LocalFront:
     # for `localhost`: HAProxy re-encrypts to them and checks their health over TLS.
     replica_ca: Path | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="loraswap-front-")))
+    # The workdir (config, logs, stats socket) is removed when the `with` block ends cleanly, and kept with its
+    # logs when it ends in an error, or always with keep_workdir (the command line prints where it is).
+    keep_workdir: bool = False
     started: list[Replica] = field(default_factory=list, init=False)
     haproxy: subprocess.Popen | None = field(default=None, init=False)
     port: int = field(default=0, init=False)
@@ -229,8 +232,8 @@ class LocalFront:
         self.start()
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self.stop(remove_workdir=exc_type is None and not self.keep_workdir)
 
     def start(self) -> None:
         """Start the replicas, wait for each to serve, then HAProxy, and wait until it sees them all up."""
@@ -360,8 +363,9 @@ class LocalFront:
             time.sleep(0.1)
         raise TimeoutError(f"haproxy does not see {wanted} up: {self.server_stats()}")
 
-    def stop(self) -> None:
-        """SIGTERM HAProxy and every replica; kill what has not exited after a few seconds."""
+    def stop(self, remove_workdir: bool = False) -> None:
+        """SIGTERM HAProxy and every replica; kill what has not exited after a few seconds; then remove the
+        workdir if asked."""
         processes = ([self.haproxy] if self.haproxy else []) + [r.process for r in self.started]
         for process in processes:
             if process.poll() is None:
@@ -371,6 +375,8 @@ class LocalFront:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
+        if remove_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         tls_cert=args.front_cert,
         tls_key=args.front_key,
         replica_ca=args.replica_ca,
+        keep_workdir=True,
     )
     with front:
         print(json.dumps({"front": front.address, "replicas": [r.address for r in front.started],

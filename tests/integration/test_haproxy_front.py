@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -387,11 +388,14 @@ def test_a_replica_drained_with_sigterm_finishes_its_call_and_leaves_the_rotatio
 
 
 def test_scaleout_benchmark_prints_its_figures(capsys) -> None:
+    """Also: the fronts it starts and stops cleanly leave no working folder behind (configs, logs, sockets)."""
     from benchmarks import scaleout
 
+    workdirs_before = set(Path(tempfile.gettempdir()).glob("loraswap-front-*"))
     assert (
         scaleout.main(["--replicas", "2", "--requests", "12", "--clients", "3", "--adapters", "4", "--steps", "1"]) == 0
     )
+    assert set(Path(tempfile.gettempdir()).glob("loraswap-front-*")) == workdirs_before
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for run in (figures, figures["round_robin"]):
         assert run["requests"] == 12 and sum(run["requests_per_replica"]) == 12
