@@ -347,9 +347,14 @@ class AsyncLoraswapClient:
         return response.freed_bytes
 
     async def list_adapters(self, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> AdapterList:
-        """Lists the adapters in the server's cache, most recently used first."""
-        response = await self._unary(self._service().ListAdapters, pb.ListAdaptersRequest(), timeout)
-        return AdapterList.from_pb(response)
+        """Lists the adapters in the server's cache, most recently used first: every page of ListAdapters, each
+        page a call with its own `timeout`. An adapter used while the pages are read may move between them, so
+        it is listed once, where it was first seen."""
+        pages = [await self._unary(self._service().ListAdapters, pb.ListAdaptersRequest(), timeout)]
+        while pages[-1].next_page_token:
+            request = pb.ListAdaptersRequest(page_token=pages[-1].next_page_token)
+            pages.append(await self._unary(self._service().ListAdapters, request, timeout))
+        return AdapterList.from_pages(pages)
 
     async def server_info(self, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> ServerInfo:
         """Describes the server's resident model, its swap slot and its request defaults."""

@@ -286,11 +286,24 @@ class AdapterList:
 
     @classmethod
     def from_pb(cls, message: pb.ListAdaptersResponse) -> AdapterList:
-        """Converts a ``loraswap.v1.ListAdaptersResponse`` message."""
+        """Converts a ``loraswap.v1.ListAdaptersResponse`` message (one page)."""
+        return cls.from_pages([message])
+
+    @classmethod
+    def from_pages(cls, pages: list[pb.ListAdaptersResponse]) -> AdapterList:
+        """Joins the pages of one listing, in order; an adapter on two pages (it was used in between) is kept
+        where it came first. The cache's figures are the last page's, the newest."""
+        seen: set[str] = set()
+        adapters = []
+        for page in pages:
+            for adapter in page.adapters:
+                if adapter.id not in seen:
+                    seen.add(adapter.id)
+                    adapters.append(AdapterInfo.from_pb(adapter))
         return cls(
-            adapters=tuple(AdapterInfo.from_pb(adapter) for adapter in message.adapters),
-            cache_bytes=message.cache_bytes,
-            cache_budget_bytes=message.cache_budget_bytes,
+            adapters=tuple(adapters),
+            cache_bytes=pages[-1].cache_bytes,
+            cache_budget_bytes=pages[-1].cache_budget_bytes,
         )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import re
+
 from loraswap.client.connection import LORA_METADATA_KEY
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
@@ -197,12 +200,60 @@ def preload_to_pb(result: PreloadResult) -> pb.PreloadAdapterResponse:
     return pb.PreloadAdapterResponse(adapter=adapter_to_pb(result.adapter), already_cached=result.already_cached)
 
 
-def adapter_list_to_pb(summary: AdapterCacheSummary) -> pb.ListAdaptersResponse:
-    return pb.ListAdaptersResponse(
-        adapters=[adapter_to_pb(adapter) for adapter in summary.adapters],
-        cache_bytes=summary.cache_bytes,
-        cache_budget_bytes=summary.cache_budget_bytes,
-    )
+# ListAdapters pages: the default and largest page_size, and the most bytes a page's adapters may take, well
+# inside the 4 MiB a response may be (app.MAX_SEND_MESSAGE_BYTES) with the fields around them.
+ADAPTER_PAGE_DEFAULT = 100
+ADAPTER_PAGE_MAX = 1000
+ADAPTER_PAGE_BYTES = 3 * 1024 * 1024
+_PAGE_TOKEN = re.compile(r"adapters:(\d{1,9})")
+
+
+def adapter_page_to_pb(summary: AdapterCacheSummary, page_size: int, page_token: str) -> pb.ListAdaptersResponse:
+    """One page of the cache listing: from the offset `page_token` names (the first page when empty), at most
+    `page_size` adapters (0: the default; capped) and at most ADAPTER_PAGE_BYTES of them, with the token of the
+    next page when there is one. The token is opaque to clients: base64url of "adapters:OFFSET"."""
+    from loraswap.server.engine.errors import InvalidRequestError
+
+    if page_size < 0:
+        raise InvalidRequestError(
+            f"page_size {page_size} is negative; use 0 for the server's default ({ADAPTER_PAGE_DEFAULT}) or a "
+            f"positive size (at most {ADAPTER_PAGE_MAX} are returned)",
+            field="page_size",
+        )
+    size = min(page_size or ADAPTER_PAGE_DEFAULT, ADAPTER_PAGE_MAX)
+    start = _page_offset(page_token)
+    response = pb.ListAdaptersResponse(cache_bytes=summary.cache_bytes, cache_budget_bytes=summary.cache_budget_bytes)
+    page_bytes = 0
+    end = start
+    for adapter in summary.adapters[start : start + size]:
+        info = adapter_to_pb(adapter)
+        info_bytes = info.ByteSize() + 8  # with its field tag and length prefix
+        if response.adapters and page_bytes + info_bytes > ADAPTER_PAGE_BYTES:
+            break
+        response.adapters.append(info)
+        page_bytes += info_bytes
+        end += 1
+    if end < len(summary.adapters):
+        response.next_page_token = base64.urlsafe_b64encode(f"adapters:{end}".encode()).decode()
+    return response
+
+
+def _page_offset(page_token: str) -> int:
+    from loraswap.server.engine.errors import InvalidRequestError, shorten
+
+    if not page_token:
+        return 0
+    try:
+        match = _PAGE_TOKEN.fullmatch(base64.urlsafe_b64decode(page_token.encode("ascii")).decode("ascii"))
+    except (ValueError, UnicodeError):
+        match = None
+    if match is None:
+        raise InvalidRequestError(
+            f"page_token {shorten(page_token)!r} is not one this server made; pass the next_page_token of the "
+            "previous ListAdapters response, or leave it empty for the first page",
+            field="page_token",
+        )
+    return int(match.group(1))
 
 
 def server_description_to_pb(info: ServerDescription) -> pb.GetServerInfoResponse:

@@ -164,7 +164,7 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
     async def ListAdapters(
         self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListAdaptersResponse:
-        return convert.adapter_list_to_pb(self.engine.list_adapters())
+        return convert.adapter_page_to_pb(self.engine.list_adapters(), request.page_size, request.page_token)
 
     @_errors_mapped
     async def GetServerInfo(
