@@ -49,10 +49,11 @@ def test_pages_stay_under_the_send_cap_where_one_response_would_not() -> None:
 
 
 @pytest.mark.parametrize(("page_size", "expected"), [(0, ADAPTER_PAGE_DEFAULT), (7, 7), (5000, ADAPTER_PAGE_MAX)])
-def test_page_size_zero_means_the_default_and_large_ones_are_capped(page_size: int, expected: int) -> None:
+def test_page_size_zero_means_as_many_as_a_page_holds_and_large_ones_are_capped(page_size: int, expected: int) -> None:
     cache = _cache(1500)
     first = adapter_page_to_pb(cache, page_size, "")
     assert len(first.adapters) == expected
+    assert ADAPTER_PAGE_DEFAULT == ADAPTER_PAGE_MAX == 1000  # a client that sends no page_size loses nothing small
     assert [a.id for page in _all_pages(cache, page_size) for a in page.adapters] == [a.id for a in cache.adapters]
 
 

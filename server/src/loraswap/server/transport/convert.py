@@ -200,10 +200,11 @@ def preload_to_pb(result: PreloadResult) -> pb.PreloadAdapterResponse:
     return pb.PreloadAdapterResponse(adapter=adapter_to_pb(result.adapter), already_cached=result.already_cached)
 
 
-# ListAdapters pages: the default and largest page_size, and the most bytes a page's adapters may take, well
-# inside the 4 MiB a response may be (app.MAX_SEND_MESSAGE_BYTES) with the fields around them.
-ADAPTER_PAGE_DEFAULT = 100
+# ListAdapters pages: the largest page_size, also what 0 asks for (so a client that knows nothing of pages gets
+# as much as before, up to the byte cap), and the most bytes a page's adapters may take, well inside the 4 MiB a
+# response may be (app.MAX_SEND_MESSAGE_BYTES) with the fields around them.
 ADAPTER_PAGE_MAX = 1000
+ADAPTER_PAGE_DEFAULT = ADAPTER_PAGE_MAX
 ADAPTER_PAGE_BYTES = 3 * 1024 * 1024
 _PAGE_TOKEN = re.compile(r"adapters:(\d{1,9})")
 
@@ -216,8 +217,8 @@ def adapter_page_to_pb(summary: AdapterCacheSummary, page_size: int, page_token:
 
     if page_size < 0:
         raise InvalidRequestError(
-            f"page_size {page_size} is negative; use 0 for the server's default ({ADAPTER_PAGE_DEFAULT}) or a "
-            f"positive size (at most {ADAPTER_PAGE_MAX} are returned)",
+            f"page_size {page_size} is negative; use 0 for as many as a page holds (at most {ADAPTER_PAGE_MAX}) or "
+            "a positive size",
             field="page_size",
         )
     size = min(page_size or ADAPTER_PAGE_DEFAULT, ADAPTER_PAGE_MAX)
