@@ -45,10 +45,17 @@ async def test_pages_of_one_list_the_whole_cache_in_order(stub) -> None:
     assert all(page.cache_bytes == whole.cache_bytes for page in pages)
 
 
-async def test_the_client_follows_the_pages(flux_server, stub) -> None:
+async def test_the_client_follows_the_pages(flux_server, stub, monkeypatch) -> None:
+    """With pages made to hold one adapter each (the byte cap lowered in this in-process server), the client
+    still lists the whole cache, in order."""
+    from loraswap.server.transport import convert
+
+    whole = await stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30)
+    monkeypatch.setattr(convert, "ADAPTER_PAGE_BYTES", 1)
+    first = await stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30)
+    assert len(first.adapters) == 1 and first.next_page_token, "pages should hold one adapter each here"
     async with AsyncLoraswapClient(f"127.0.0.1:{flux_server.port}") as client:
         listing = await client.list_adapters()
-    whole = await stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30)
     assert [a.id for a in listing.adapters] == [a.id for a in whole.adapters]
 
 
@@ -56,7 +63,7 @@ async def test_the_client_follows_the_pages(flux_server, stub) -> None:
     ("request_fields", "field", "hint"),
     [
         ({"page_size": -3}, "page_size", "page_size -3 is negative"),
-        ({"page_token": "bm90IG91cnM="}, "page_token", "is not one this server made"),
+        ({"page_token": "bm90IG91cnM="}, "page_token", "is not one this server process made"),
     ],
 )
 async def test_bad_paging_is_invalid_argument_naming_the_field(stub, request_fields, field, hint) -> None:

@@ -347,9 +347,10 @@ class AsyncLoraswapClient:
         return response.freed_bytes
 
     async def list_adapters(self, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> AdapterList:
-        """Lists the adapters in the server's cache, most recently used first: every page of ListAdapters, each
-        page a call with its own `timeout`. An adapter used while the pages are read may move between them, so
-        it is listed once, where it was first seen."""
+        """Lists the adapters in the server's cache, most recently used first: every page of ListAdapters (one
+        page unless the listing passes 4 MiB), each page a call with its own `timeout`. Any use, load or
+        eviction while pages are read shifts them: an adapter seen twice is listed once, where it came first,
+        and one may be missed. Pages must come from one server process: through a front, list each replica."""
         pages = [await self._unary(self._service().ListAdapters, pb.ListAdaptersRequest(), timeout)]
         while pages[-1].next_page_token:
             request = pb.ListAdaptersRequest(page_token=pages[-1].next_page_token)

@@ -28,8 +28,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DiffusionService"].full_name
 # Requests are small (prompts of a few thousand characters, adapter names); a bigger one is refused with
 # RESOURCE_EXHAUSTED before it is buffered.
 MAX_RECEIVE_MESSAGE_BYTES = 256 * 1024
-# Generate sends images in pieces of at most 1 MiB (transport/convert.py); nothing may exceed the 4 MiB every
-# gRPC client accepts by default, so a response that would (a huge ListAdapters) fails here, not in the client.
+# Generate sends images in pieces of at most 1 MiB and ListAdapters pages of at most this less 16 KiB
+# (transport/convert.py); nothing may exceed the 4 MiB every gRPC client accepts by default, so a response that
+# would fails here, not in the client.
 MAX_SEND_MESSAGE_BYTES = 4 * 1024 * 1024
 SHUTDOWN_FLUSH_S = 2.0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+import secrets
 
 from loraswap.client.connection import LORA_METADATA_KEY
 from loraswap.server.engine.types import (
@@ -200,33 +201,34 @@ def preload_to_pb(result: PreloadResult) -> pb.PreloadAdapterResponse:
     return pb.PreloadAdapterResponse(adapter=adapter_to_pb(result.adapter), already_cached=result.already_cached)
 
 
-# ListAdapters pages: the largest page_size, also what 0 asks for (so a client that knows nothing of pages gets
-# as much as before, up to the byte cap), and the most bytes a page's adapters may take, well inside the 4 MiB a
-# response may be (app.MAX_SEND_MESSAGE_BYTES) with the fields around them.
-ADAPTER_PAGE_MAX = 1000
-ADAPTER_PAGE_DEFAULT = ADAPTER_PAGE_MAX
-ADAPTER_PAGE_BYTES = 3 * 1024 * 1024
-_PAGE_TOKEN = re.compile(r"adapters:(\d{1,9})")
+# ListAdapters pages. Their adapters take at most this many bytes: the 4 MiB any response may be
+# (app.MAX_SEND_MESSAGE_BYTES) less room for the page's other fields (under 100 bytes), so a client that sends no
+# page_size gets, in one page, every listing that fitted in one response before pages. An adapter's own entry is
+# bounded by the model's slot layers (some 420 names for Flux, ~20 KB), far under it; a page always holds one.
+ADAPTER_PAGE_BYTES = 4 * 1024 * 1024 - 16 * 1024
+# Tokens name this process, so one made by another replica behind a front, or before a restart, is refused
+# rather than read as an offset into a different cache.
+_INSTANCE = secrets.token_hex(8)
+_PAGE_TOKEN = re.compile(r"adapters:([0-9a-f]{16}):(\d{1,9})")
 
 
 def adapter_page_to_pb(summary: AdapterCacheSummary, page_size: int, page_token: str) -> pb.ListAdaptersResponse:
     """One page of the cache listing: from the offset `page_token` names (the first page when empty), at most
-    `page_size` adapters (0: the default; capped) and at most ADAPTER_PAGE_BYTES of them, with the token of the
-    next page when there is one. The token is opaque to clients: base64url of "adapters:OFFSET"."""
+    `page_size` adapters (0: no count limit) and at most ADAPTER_PAGE_BYTES of them, with the token of the next
+    page when there is one. The token is opaque to clients: base64url of "adapters:INSTANCE:OFFSET"."""
     from loraswap.server.engine.errors import InvalidRequestError
 
     if page_size < 0:
         raise InvalidRequestError(
-            f"page_size {page_size} is negative; use 0 for as many as a page holds (at most {ADAPTER_PAGE_MAX}) or "
-            "a positive size",
+            f"page_size {page_size} is negative; use 0 for as many as fit in one response, or a positive size",
             field="page_size",
         )
-    size = min(page_size or ADAPTER_PAGE_DEFAULT, ADAPTER_PAGE_MAX)
     start = _page_offset(page_token)
+    stop = len(summary.adapters) if page_size == 0 else start + page_size
     response = pb.ListAdaptersResponse(cache_bytes=summary.cache_bytes, cache_budget_bytes=summary.cache_budget_bytes)
     page_bytes = 0
     end = start
-    for adapter in summary.adapters[start : start + size]:
+    for adapter in summary.adapters[start:stop]:
         info = adapter_to_pb(adapter)
         info_bytes = info.ByteSize() + 8  # with its field tag and length prefix
         if response.adapters and page_bytes + info_bytes > ADAPTER_PAGE_BYTES:
@@ -235,7 +237,7 @@ def adapter_page_to_pb(summary: AdapterCacheSummary, page_size: int, page_token:
         page_bytes += info_bytes
         end += 1
     if end < len(summary.adapters):
-        response.next_page_token = base64.urlsafe_b64encode(f"adapters:{end}".encode()).decode()
+        response.next_page_token = base64.urlsafe_b64encode(f"adapters:{_INSTANCE}:{end}".encode()).decode()
     return response
 
 
@@ -248,13 +250,14 @@ def _page_offset(page_token: str) -> int:
         match = _PAGE_TOKEN.fullmatch(base64.urlsafe_b64decode(page_token.encode("ascii")).decode("ascii"))
     except (ValueError, UnicodeError):
         match = None
-    if match is None:
+    if match is None or match.group(1) != _INSTANCE:
         raise InvalidRequestError(
-            f"page_token {shorten(page_token)!r} is not one this server made; pass the next_page_token of the "
-            "previous ListAdapters response, or leave it empty for the first page",
+            f"page_token {shorten(page_token)!r} is not one this server process made (another replica's, or one "
+            "from before a restart?); pass the next_page_token of the previous ListAdapters response from this "
+            "server, or leave it empty to start again from the first page",
             field="page_token",
         )
-    return int(match.group(1))
+    return int(match.group(2))
 
 
 def server_description_to_pb(info: ServerDescription) -> pb.GetServerInfoResponse:
