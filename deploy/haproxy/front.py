@@ -212,13 +212,19 @@ class LocalFront:
     # The replicas serve TLS (pass --tls-cert/--tls-key in serve_flags) with certificates this CA (PEM) signed
     # for `localhost`: HAProxy re-encrypts to them and checks their health over TLS.
     replica_ca: Path | None = None
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="loraswap-front-")))
-    # The workdir (config, logs, stats socket) is removed when the `with` block ends cleanly, and kept with its
-    # logs when it ends in an error, or always with keep_workdir (the command line prints where it is).
+    # Config, logs and stats socket. None: a new temporary folder, removed when the `with` block ends cleanly and
+    # kept with its logs when it ends in an error, or always with keep_workdir (the command line prints where it
+    # is). A folder the caller names is never removed (tests pass pytest's, which keeps the last runs' logs).
+    workdir: Path | None = None
     keep_workdir: bool = False
     started: list[Replica] = field(default_factory=list, init=False)
     haproxy: subprocess.Popen | None = field(default=None, init=False)
     port: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._owns_workdir = self.workdir is None
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="loraswap-front-"))
 
     @property
     def address(self) -> str:
@@ -233,7 +239,7 @@ class LocalFront:
         return self
 
     def __exit__(self, exc_type, *exc_info) -> None:
-        self.stop(remove_workdir=exc_type is None and not self.keep_workdir)
+        self.stop(remove_workdir=exc_type is None and self._owns_workdir and not self.keep_workdir)
 
     def start(self) -> None:
         """Start the replicas, wait for each to serve, then HAProxy, and wait until it sees them all up."""
@@ -365,7 +371,7 @@ class LocalFront:
 
     def stop(self, remove_workdir: bool = False) -> None:
         """SIGTERM HAProxy and every replica; kill what has not exited after a few seconds; then remove the
-        workdir if asked."""
+        workdir if asked (the `with` block asks only for a folder it made)."""
         processes = ([self.haproxy] if self.haproxy else []) + [r.process for r in self.started]
         for process in processes:
             if process.poll() is None:

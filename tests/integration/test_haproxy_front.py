@@ -65,7 +65,9 @@ def front(tmp_path_factory):
     # Four replicas: the shipped balance factor (300% of the mean) binds from four on; with three, one replica
     # may hold every open call, so nothing would ever spill on the bound alone.
     flags = [*SERVE_FLAGS, "--adapter-dir", str(adapter_dir)]
-    with LocalFront(replicas=4, serve_flags=flags, ready_timeout=300) as running:
+    # pytest's folder for the front's config and logs: kept after a failing test (pytest keeps the last runs').
+    workdir = tmp_path_factory.mktemp("front")
+    with LocalFront(replicas=4, serve_flags=flags, ready_timeout=300, workdir=workdir) as running:
         yield running
 
 
@@ -387,15 +389,18 @@ def test_a_replica_drained_with_sigterm_finishes_its_call_and_leaves_the_rotatio
     assert drained.process.wait(60) == 0
 
 
-def test_scaleout_benchmark_prints_its_figures(capsys) -> None:
-    """Also: the fronts it starts and stops cleanly leave no working folder behind (configs, logs, sockets)."""
+def test_scaleout_benchmark_prints_its_figures(capsys, monkeypatch) -> None:
+    """Also: the fronts it starts and stops cleanly leave no working folder behind (configs, logs, sockets),
+    looked for in a temporary directory of this test's own (short: HAProxy's socket path has 97 characters)."""
     from benchmarks import scaleout
 
-    workdirs_before = set(Path(tempfile.gettempdir()).glob("loraswap-front-*"))
+    own_tmp = Path(tempfile.mkdtemp(prefix="scaleout-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
     assert (
         scaleout.main(["--replicas", "2", "--requests", "12", "--clients", "3", "--adapters", "4", "--steps", "1"]) == 0
     )
-    assert set(Path(tempfile.gettempdir()).glob("loraswap-front-*")) == workdirs_before
+    assert list(own_tmp.iterdir()) == []
+    own_tmp.rmdir()
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for run in (figures, figures["round_robin"]):
         assert run["requests"] == 12 and sum(run["requests_per_replica"]) == 12

@@ -41,10 +41,11 @@ def certificates(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def front(certificates):
+def front(certificates, tmp_path_factory):
     directory, _ = certificates
     flags = [*SERVE_FLAGS, "--tls-cert", str(directory / "replica.crt"), "--tls-key", str(directory / "replica.key")]
     with LocalFront(
+        workdir=tmp_path_factory.mktemp("front"),
         replicas=2,
         serve_flags=flags,
         ready_timeout=300,
