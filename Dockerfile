@@ -43,7 +43,8 @@ VOLUME ["/adapters"]
 EXPOSE 50051
 
 # Start-up loads, compiles and warms the model before SERVING: give it time. A server run with --tls-cert/--tls-key
-# needs the probe to speak TLS: add `--tls-ca /path/ca.pem` (and `--tls-cert/--tls-key` under --tls-client-ca).
+# needs the probe to speak TLS: add `--tls-ca /path/ca.pem`, `--tls-server-name NAME` when the certificate is
+# not made for localhost, and `--tls-cert/--tls-key` under --tls-client-ca.
 HEALTHCHECK --interval=15s --timeout=10s --start-period=900s --retries=3 \
     CMD python -m loraswap.server.healthcheck localhost:50051
 

@@ -1,5 +1,6 @@
 """`python -m loraswap.server.healthcheck [host:port] [--tls-ca PEM [--tls-cert PEM --tls-key PEM]]`: exit 0 when
-the server reports SERVING, 1 otherwise (NOT_SERVING while it starts or drains, or unreachable), 2 on bad flags.
+the server reports SERVING, 1 otherwise: NOT_SERVING while it starts or drains, unreachable, or flags it cannot
+use (not argparse's 2, which Docker reserves in a HEALTHCHECK).
 
 For container health checks (Docker HEALTHCHECK, Kubernetes exec probes). Plaintext by default; `--tls-ca`
 speaks TLS trusting that CA bundle (a server started with `--tls-cert/--tls-key`), `--tls-cert/--tls-key` add a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -46,9 +48,16 @@ def serving_status(
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
+class _ProbeArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loraswap.server.healthcheck", description=__doc__.split("\n\n")[0].split(": ", 1)[1]
+    parser = _ProbeArgumentParser(
+        prog="python -m loraswap.server.healthcheck",
+        description="Exit 0 when a loraswap server's gRPC health service reports SERVING, 1 otherwise.",
     )
     parser.add_argument("target", nargs="?", default="localhost:50051", help="host:port (default: %(default)s)")
     parser.add_argument("--tls-ca", type=Path, help="PEM CA bundle to trust: speak TLS (default: plaintext)")
