@@ -26,16 +26,14 @@ import contextlib
 import copy
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
-from benchmarks.swap import build_pipeline, log, machine_info
+from benchmarks.swap import build_pipeline, in_process_prelude, log, machine_info
 
 DEFAULT_MODEL = "random-sdxl"
 DEFAULT_SIZE = 256
@@ -221,15 +219,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the JSON result as the last line of stdout, and return it."""
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import diffusers
-
+    in_process_prelude(args.threads)
     from loraswap.server.engine.config import EngineConfig
     from loraswap.server.engine.families import family_of
 
-    diffusers.utils.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._dynamo")
     engine_quantizes = "quantize" in {field.name for field in dataclasses.fields(EngineConfig)}
     if args.quantize is None:
         quantizations = ["none", "int8wo"] if engine_quantizes else ["none"]

@@ -38,11 +38,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from benchmarks.processes import stop_process
+from benchmarks.processes import stop_process, wait_for_serving_line
 from benchmarks.swap import ATTENTION_PROJECTIONS, log, machine_info, summarize
 
 DEFAULT_MODEL = "tiny-flux"
@@ -236,23 +235,13 @@ class ServerProcess:
     def wait_until_serving(self, timeout: float) -> float:
         """Block until the server says it serves; returns seconds waited."""
         started = time.perf_counter()
-        result: dict[str, int] = {}
-
-        def read() -> None:
-            for line in self.process.stdout:
-                if "serving" in line and "on port" in line:
-                    result["port"] = int(line.rsplit("on port", 1)[1].split()[0].strip(" ,"))
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if "port" not in result:
+        serving = wait_for_serving_line(self.process, timeout)
+        if serving is None:
             self.stop()
             tail = self.log_path.read_text()[-3000:]
             raise RuntimeError(f"the server did not start within {timeout:.0f} s; its log ends:\n{tail}")
-        self.port = result["port"]
-        return time.perf_counter() - started
+        self.port, at = serving
+        return at - started
 
     def stop(self) -> None:
         stop_process(self.process)

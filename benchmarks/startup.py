@@ -30,11 +30,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from benchmarks.processes import stop_process
+from benchmarks.processes import stop_process, wait_for_serving_line
 
 PROMPT = "a red circle on a blue background"
 PHASE_LINE = re.compile(r"start-up (?P<phase>[\w-]+): (?P<seconds>[\d.]+) s")
@@ -79,25 +78,13 @@ class Start:
 
     def wait_until_serving(self, timeout: float) -> float:
         """Seconds from spawning to the "serving" line."""
-        found: dict[str, float] = {}
-
-        def read() -> None:
-            for line in self.process.stdout:
-                if "serving" in line and "on port" in line:
-                    found["at"] = time.perf_counter()
-                    found["cpu_s"] = cpu_seconds(self.process.pid)
-                    found["port"] = int(line.rsplit("on port", 1)[1].split()[0].strip(" ,"))
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if "port" not in found:
+        serving = wait_for_serving_line(self.process, timeout)
+        if serving is None:
             self.stop()
             raise RuntimeError(f"no SERVING within {timeout:.0f} s; the log ends:\n{self.log_path.read_text()[-3000:]}")
-        self.port = int(found["port"])
-        self.cpu_s = found["cpu_s"]
-        return found["at"] - self.spawned
+        self.cpu_s = cpu_seconds(self.process.pid)
+        self.port, at = serving
+        return at - self.spawned
 
     def phases(self) -> dict:
         """The start-up phases and cache lookups the server logged."""

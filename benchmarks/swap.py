@@ -455,16 +455,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark, print the JSON result as the last line of stdout, and return it."""
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def in_process_prelude(threads: int) -> None:
+    """What a benchmark that runs the engine in its own process sets first: torch's CPU threads, no Hub access,
+    and quiet diffusers and dynamo (whose notes on diffusers' code say nothing about swaps)."""
+    torch.set_num_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import diffusers
 
     diffusers.utils.logging.set_verbosity_error()
-    # dynamo's notes on diffusers' code say nothing about swaps; keep stderr readable.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._dynamo")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print the JSON result as the last line of stdout, and return it."""
+    args = parse_args(argv)
+    in_process_prelude(args.threads)
     from loraswap.server.engine.families import family_of
     from loraswap.server.engine.target_layers import resolve_target_layers
 
