@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.swap import build_pipeline, in_process_prelude, log, machine_info
+from benchmarks.swap import build_pipeline, in_process_prelude, log, machine_info, random_lora_factors
 
 DEFAULT_MODEL = "random-sdxl"
 DEFAULT_SIZE = 256
@@ -59,13 +59,7 @@ def _random_adapter(denoiser, layer_names: list[str], rank: int, seed: int):
     """A canonical adapter of `rank` on every slot layer, in the denoiser's dtype."""
     from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
 
-    generator = torch.Generator("cpu").manual_seed(seed)
-    layers = {}
-    for name in layer_names:
-        base = denoiser.get_submodule(name)
-        a = torch.randn(rank, base.in_features, generator=generator) / base.in_features**0.5
-        b = torch.randn(base.out_features, rank, generator=generator) * 0.01
-        layers[name] = CanonicalLayer(a=a.to(denoiser.dtype), b=b.to(denoiser.dtype))
+    layers = {name: CanonicalLayer(a=a, b=b) for name, a, b in random_lora_factors(denoiser, layer_names, rank, seed)}
     return CanonicalAdapter(name=f"r{rank}", source="bench", layers=layers, warnings=(), load_ms=0.0)
 
 

@@ -119,6 +119,17 @@ def build_pipeline(model: str, dtype: torch.dtype, layers: int | None):
         raise SystemExit(str(exc)) from exc
 
 
+def random_lora_factors(denoiser, layer_names: list[str], rank: int, seed: int):
+    """(layer name, lora_A, lora_B) for each layer: random rank-`rank` factors in the denoiser's dtype, A scaled
+    by 1/sqrt(in_features), B small, so the adapter changes the image without blowing it up."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    for name in layer_names:
+        layer = denoiser.get_submodule(name)
+        a = torch.randn(rank, layer.in_features, generator=generator) / layer.in_features**0.5
+        b = torch.randn(layer.out_features, rank, generator=generator) * 0.01
+        yield name, a.to(denoiser.dtype), b.to(denoiser.dtype)
+
+
 def write_lora_file(
     pipe, layer_names: list[str], directory: Path, *, rank: int, patterns: tuple[str, ...], seed: int
 ) -> Path:
@@ -133,15 +144,10 @@ def write_lora_file(
 
     traits = family_of(pipe)
     denoiser = traits.denoiser(pipe)
-    dtype = denoiser.dtype
-    generator = torch.Generator("cpu").manual_seed(seed)
     state_dict = {}
-    for name in layer_names:
-        layer = denoiser.get_submodule(name)
-        a = torch.randn(rank, layer.in_features, generator=generator) / layer.in_features**0.5
-        b = torch.randn(layer.out_features, rank, generator=generator) * 0.01
-        state_dict[f"{name}.lora_A.weight"] = a.to(dtype)
-        state_dict[f"{name}.lora_B.weight"] = b.to(dtype)
+    for name, a, b in random_lora_factors(denoiser, layer_names, rank, seed):
+        state_dict[f"{name}.lora_A.weight"] = a
+        state_dict[f"{name}.lora_B.weight"] = b
     metadata = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(patterns), init_lora_weights=False).to_dict()
     traits.save_lora_weights(directory, state_dict, metadata)
     return directory / ADAPTER_WEIGHT_NAME
