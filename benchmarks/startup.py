@@ -163,7 +163,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=3, help="timed requests after the first start")
     parser.add_argument("--timeout", type=float, default=3600, help="longest wait for one start, seconds")
     parser.add_argument("--json-out", help="also write the JSON, indented, to this file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.requests < 1:
+        parser.error("--steps must be at least 2 (a step's time is the gap between two) and --requests at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
