@@ -13,7 +13,7 @@ the rounds, the thread count the policy ended on, and `busy_over_alone`.
 
 Policies: `old`, torch threads fixed at the usable cores (what the server did before,
 OpenMP's default waiting); `new`, the server's default now (`--torch-threads` unset:
-`CoreShare` follows the cores other processes leave free, engine/cpu_threads.py); `one`,
+`CoreShare` follows the cores other processes leave free, engine/pipeline/cpu_threads.py); `one`,
 a fixed single thread, for reference. The last line printed is one JSON object;
 progress goes to stderr.
 """
@@ -46,8 +46,8 @@ def worker(policy: str, steps: int) -> None:
     import torch
 
     from loraswap.server.engine.config import EngineConfig
-    from loraswap.server.engine.cpu_threads import usable_cores
-    from loraswap.server.engine.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.cpu_threads import usable_cores
+    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
     from loraswap.server.engine.types import GenerationRequest
 
     threads = {"old": usable_cores(), "new": None, "one": 1}[policy]

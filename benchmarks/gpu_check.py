@@ -141,7 +141,7 @@ def run_slot_variant(args: argparse.Namespace, quantize: str) -> dict:
     """The server's runtime with a slot: swap before every request, alternating two adapters."""
     from loraswap.server.engine.adapters.canonical import load_canonical
     from loraswap.server.engine.adapters.sources import AdapterFile
-    from loraswap.server.engine.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
     from loraswap.server.engine.types import GenerationRequest
 
     started = time.perf_counter()

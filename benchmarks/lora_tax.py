@@ -109,9 +109,9 @@ def _diffusers_state_dict(denoiser, layer_names: list[str], rank: int) -> dict[s
 def measure(pipe, traits, args, quantization: str) -> dict:
     """Build the three copies, compile each, then time every variant interleaved; one result dict."""
     from loraswap.server.engine.adapters.slot import HotswapSlot
-    from loraswap.server.engine.compile import CountingBackend
+    from loraswap.server.engine.pipeline.compile import CountingBackend
+    from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
     from loraswap.server.engine.rank_buckets import resolve_rank_buckets
-    from loraswap.server.engine.target_layers import resolve_target_layers
 
     base = traits.denoiser(pipe)
     device = torch.device("cpu")
@@ -127,7 +127,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
     )
     copies["diffusers"].requires_grad_(False)
     if quantization != "none":
-        from loraswap.server.engine.quantization import quantize_denoiser
+        from loraswap.server.engine.pipeline.quantization import quantize_denoiser
 
         for module in copies.values():
             quantize_denoiser(module, quantization)

@@ -97,7 +97,7 @@ def write_adapters(pipe, adapter_dir: Path, count: int, rank: int) -> tuple[floa
     """`count` random rank-`rank` adapters on the attention projections; returns seconds and bytes of one."""
     from benchmarks.swap import write_lora_file
     from loraswap.server.engine.families import family_of
-    from loraswap.server.engine.target_layers import resolve_target_layers
+    from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 
     started = time.perf_counter()
     traits = family_of(pipe)
@@ -116,14 +116,14 @@ def write_adapters(pipe, adapter_dir: Path, count: int, rank: int) -> tuple[floa
 def measure_preview_cost(pipe, model: str, args, repeats: int = 50) -> dict:
     """What one step preview costs on its own, in this process, at --size and at 1024 px: project, copy, encode.
 
-    The same code the server's step callback runs (engine/previews.py), on latents of the pipeline's shape
+    The same code the server's step callback runs (engine/pipeline/previews.py), on latents of the pipeline's shape
     (Flux's packed), so the figure holds even when a busy machine blurs the A/B comparison of whole steps.
     """
     import torch
 
     from loraswap.server.engine.families import family_of
     from loraswap.server.engine.models import latent_rgb
-    from loraswap.server.engine.previews import LatentPreviewer
+    from loraswap.server.engine.pipeline.previews import LatentPreviewer
     from loraswap.server.engine.request_rules import RequestRules
     from loraswap.server.engine.types import GenerationRequest, ModelDefaults
 
@@ -172,7 +172,7 @@ def measure_direct(args, model: str, adapter_dir: Path) -> dict:
 
     from loraswap.server.engine.adapters.canonical import load_canonical
     from loraswap.server.engine.adapters.sources import AdapterFile
-    from loraswap.server.engine.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
     from loraswap.server.engine.types import GenerationRequest
 
     started = time.perf_counter()

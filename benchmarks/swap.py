@@ -336,7 +336,7 @@ class SwapBench:
         Returns the graphs compiled after the first run: a swap that changed a
         shape, a dtype or a guarded attribute would show up here.
         """
-        from loraswap.server.engine.compile import CountingBackend
+        from loraswap.server.engine.pipeline.compile import CountingBackend
 
         counter = CountingBackend(backend)
         self.denoiser.compile(backend=counter)
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     in_process_prelude(args.threads)
     from loraswap.server.engine.families import family_of
-    from loraswap.server.engine.target_layers import resolve_target_layers
+    from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 
     run_started = time.perf_counter()
     dtype = getattr(torch, args.dtype)

@@ -19,7 +19,7 @@ from PIL import Image
 from loraswap.client import AsyncLoraswapClient, GeneratedImage, Progress
 from loraswap.server.app import start_server
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
-from loraswap.server.engine.previews import MAX_PREVIEW_SIDE
+from loraswap.server.engine.pipeline.previews import MAX_PREVIEW_SIDE
 from tests.support.previews import dominant_colours_agree
 from tests.support.servers import server_settings
 

@@ -20,8 +20,8 @@ from loraswap.server.engine.adapters.canonical import load_canonical
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
-from loraswap.server.engine.quantization import check_quantization
-from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.quantization import check_quantization
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 from tests.support.servers import TEST_TORCH_THREADS, server_settings

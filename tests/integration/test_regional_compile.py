@@ -7,7 +7,7 @@ import pytest
 from loraswap.client import AsyncLoraswapClient
 from loraswap.server.app import start_server
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from tests.support.images import assert_images_close, decode
 from tests.support.servers import TEST_TORCH_THREADS, server_settings
 
@@ -69,7 +69,7 @@ def test_regional_compile_needs_repeated_blocks():
     """A denoiser without diffusers' `_repeated_blocks` is refused with one line that names the way out."""
     import torch
 
-    from loraswap.server.engine.compile import compile_counting
+    from loraswap.server.engine.pipeline.compile import compile_counting
 
     with pytest.raises(ValueError, match="--compile full") as refused:
         compile_counting(torch.nn.Linear(2, 2), "eager", kind="regional")

@@ -14,7 +14,7 @@ from peft.tuners.lora import LoraLayer
 from loraswap.server.engine.adapters.canonical import SlotSpec
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models import builtin_model
-from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 
 MAX_RANK = 16
 DENOISER = {"tiny-flux": "transformer", "tiny-sdxl": "unet"}

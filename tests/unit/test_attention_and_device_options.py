@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from loraswap.server.config import Settings, SettingsError, add_serve_arguments, settings_from_args
-from loraswap.server.engine.attention import (
+from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.models import builtin_model
+from loraswap.server.engine.pipeline.attention import (
     NATIVE,
     apply_attention,
     attention_backends,
     check_attention,
     resolve_attention,
 )
-from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.models import builtin_model
 
 torch.set_num_threads(1)
 
@@ -82,13 +82,13 @@ def test_on_cpu_a_known_backend_is_accepted_and_the_native_one_runs(caplog):
     settings = _settings(["--attention", "FLASH", "--device", "cpu", "--device-adapter-bytes", "1048576"])
     assert settings.engine.attention == "FLASH"
     assert settings.engine.device_adapter_bytes == 1048576
-    with caplog.at_level(logging.WARNING, logger="loraswap.server.engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="loraswap.server.engine.pipeline.attention"):
         assert resolve_attention("FLASH", torch.device("cpu")) == NATIVE
     assert [record.getMessage() for record in caplog.records] == [
         "--attention flash needs CUDA; cpu runs the native backend (torch SDPA)"
     ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="loraswap.server.engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="loraswap.server.engine.pipeline.attention"):
         assert resolve_attention(None, torch.device("cpu")) == NATIVE
         assert resolve_attention("native", torch.device("cpu")) == NATIVE
     assert caplog.records == []
@@ -110,6 +110,6 @@ def test_flux_attention_dispatches_through_the_backend_that_is_set():
 
 def test_sdxl_attention_calls_torch_itself_and_runs_native(caplog):
     unet = builtin_model("tiny-sdxl").build().unet
-    with caplog.at_level(logging.WARNING, logger="loraswap.server.engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="loraswap.server.engine.pipeline.attention"):
         assert apply_attention(unet, "flex") == NATIVE
     assert "does not go through diffusers' backends" in caplog.text

@@ -130,7 +130,7 @@ def test_soak_benchmark_accounts_for_every_request():
 def test_lora_files_load_as_the_pipeline_expects(tmp_path):
     """The benchmark's adapters are real diffusers LoRA files: diffusers loads them onto every targeted layer."""
     from loraswap.server.engine.models import builtin_model
-    from loraswap.server.engine.target_layers import resolve_target_layers
+    from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 
     pipe = builtin_model("tiny-sdxl").build()
     patterns = ("to_q", "to_k", "to_v", "to_out.0")
@@ -145,7 +145,7 @@ def test_lora_files_load_as_the_pipeline_expects(tmp_path):
 
 def _tiny_sdxl_attention_shapes() -> list[tuple[int, int]]:
     from loraswap.server.engine.models import builtin_model
-    from loraswap.server.engine.target_layers import resolve_target_layers
+    from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 
     unet = builtin_model("tiny-sdxl").build().unet
     layers = resolve_target_layers(unet, ("to_q", "to_k", "to_v", "to_out.0"))

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from loraswap.server.config import Settings, SettingsError, add_serve_arguments, settings_from_args
-from loraswap.server.engine.compile_cache import CompileCacheKey, compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.compile_options import compile_mode_label, effective_compile_mode
 from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.pipeline.compile_cache import CompileCacheKey, compile_cache_scope, runtime_cache_key
 
 
 def _settings(argv: list[str], environ: dict[str, str] | None = None) -> Settings:

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraswap.server.engine.cpu_threads import ADJUST_INTERVAL_S, CoreShare, FixedThreads, thread_policy, usable_cores
+from loraswap.server.engine.pipeline.cpu_threads import (
+    ADJUST_INTERVAL_S,
+    CoreShare,
+    FixedThreads,
+    thread_policy,
+    usable_cores,
+)
 from tests.support.servers import TEST_TORCH_THREADS
 
 

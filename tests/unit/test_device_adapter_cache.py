@@ -20,7 +20,7 @@ from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
-from loraswap.server.engine.target_layers import resolve_target_layers
+from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 
 torch.set_num_threads(1)
 

@@ -24,7 +24,7 @@ from loraswap.server.engine.errors import InvalidRequestError
 from loraswap.server.engine.families import FLUX, FLUX_LATENT_RGB, SDXL, SDXL_LATENT_RGB
 from loraswap.server.engine.models import BUILTINS, latent_rgb
 from loraswap.server.engine.models.shapes import SHAPES_LATENT_RGB
-from loraswap.server.engine.previews import MAX_PREVIEW_SIDE, LatentPreviewer, grey_projection, preview_size
+from loraswap.server.engine.pipeline.previews import MAX_PREVIEW_SIDE, LatentPreviewer, grey_projection, preview_size
 from loraswap.server.engine.request_rules import RequestRules
 from loraswap.server.engine.types import GenerationRequest, LatentRgb, ModelDefaults
 from tests.support.previews import dominant_colours_agree
@@ -160,7 +160,7 @@ SHAPES_PROMPTS = (
 
 @pytest.fixture(scope="module")
 def shapes_runtime():
-    from loraswap.server.engine.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 
     return DiffusionRuntime(
         EngineConfig(model="shapes", device="cpu", compile=False, warmup=False, torch_threads=TEST_TORCH_THREADS)

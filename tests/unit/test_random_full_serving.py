@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 
 torch.set_num_threads(1)
 

@@ -15,11 +15,11 @@ import torch
 from loraswap.server.config import SettingsError, add_serve_arguments, settings_from_args
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
 from loraswap.server.engine.adapters.slot import SLOT_ADAPTER_NAME, HotswapSlot
-from loraswap.server.engine.compile import CountingBackend
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
+from loraswap.server.engine.pipeline.compile import CountingBackend
+from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 from loraswap.server.engine.rank_buckets import bucket_for, default_rank_buckets, resolve_rank_buckets
-from loraswap.server.engine.target_layers import resolve_target_layers
 
 torch.set_num_threads(1)
 

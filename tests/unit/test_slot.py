@@ -16,7 +16,7 @@ from loraswap.server.engine.adapters.slot import HotswapSlot, RankGatedLinear, c
 from loraswap.server.engine.errors import AdapterIncompatibleError, ErrorReason
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
-from loraswap.server.engine.target_layers import resolve_target_layers
+from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 
 torch.set_num_threads(1)
 

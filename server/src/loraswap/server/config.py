@@ -68,7 +68,7 @@ class Settings:
         )
         if compile_problem is not None:
             raise SettingsError(compile_problem)
-        from loraswap.server.engine.quantization import check_quantization  # imports torch: only when serving
+        from loraswap.server.engine.pipeline.quantization import check_quantization  # imports torch: only when serving
 
         try:
             check_quantization(self.engine.quantize, self.engine.device)
@@ -80,7 +80,9 @@ class Settings:
                 "for no adapters kept on the device"
             )
         if self.engine.attention is not None:
-            from loraswap.server.engine.attention import check_attention  # imports diffusers: only when asked for
+            from loraswap.server.engine.pipeline.attention import (
+                check_attention,  # imports diffusers: only when asked for
+            )
 
             try:
                 check_attention(self.engine.attention, self.engine.device)

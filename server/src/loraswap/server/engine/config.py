@@ -14,7 +14,7 @@ DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 # The torch.compile backends `--compile-backend` offers (all in torch._dynamo.list_backends(exclude_tags=())):
 # inductor for serving, cudagraphs for CUDA, eager and aot_eager to check compile paths quickly on CPU.
 COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
-# --quantize: how the denoiser's base linear weights are stored (engine/quantization.py does it with torchao).
+# --quantize: how the denoiser's base linear weights are stored (engine/pipeline/quantization.py does it with torchao).
 QUANTIZATIONS = ("none", "int8wo", "fp8")
 
 

@@ -35,7 +35,7 @@ from loraswap.server.engine.errors import (
 )
 from loraswap.server.engine.models import BUILTINS, served_base_model
 from loraswap.server.engine.observer import NO_OBSERVER, EngineGauges, EngineObserver
-from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.scheduler import GenerationJob, GenerationScheduler
 from loraswap.server.engine.types import (
     AdapterCacheSummary,

@@ -36,7 +36,7 @@ class FamilyTraits:
     # Whether the denoiser runs convolutions (whose CPU kernel choice can split compiled graphs).
     convolutional_denoiser: bool
     # The published latent-to-RGB projection of the family's VAE latent space, for step previews
-    # (engine/previews.py); a built-in model with a VAE of its own records its own (models/registry.py).
+    # (engine/pipeline/previews.py); a built-in model with a VAE of its own records its own (models/registry.py).
     latent_rgb: LatentRgb
 
     def denoiser(self, pipe):

@@ -20,7 +20,7 @@ from loraswap.server.engine.adapters.canonical import CanonicalAdapter
 from loraswap.server.engine.adapters.slot import StackMember, stack_order
 from loraswap.server.engine.errors import EngineError, GenerationFailedError, NotServingError, QueueFullError
 from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapPath
-from loraswap.server.engine.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.types import GenerationParams, Queued, Timings
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,6 @@ import torch
 from loraswap.server.engine.adapters.canonical import SlotSpec
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.adapters.slot import HotswapSlot, StackMember
-from loraswap.server.engine.attention import apply_attention, resolve_attention
-from loraswap.server.engine.compile import RECOMPILE_LIMIT, CountingBackend, compile_counting, conv_backend
-from loraswap.server.engine.compile_cache import compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.compile_options import (
     compile_mode_label,
     compile_options_problem,
@@ -29,17 +26,20 @@ from loraswap.server.engine.compile_options import (
     resolve_compile_kind,
 )
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.cpu_threads import CoreShare, thread_policy
 from loraswap.server.engine.errors import ErrorReason, GenerationCancelledError, InvalidRequestError
 from loraswap.server.engine.families import family_of
 from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
-from loraswap.server.engine.previews import LatentPreviewer
-from loraswap.server.engine.quantization import quantize_denoiser, weight_bytes
+from loraswap.server.engine.pipeline.attention import apply_attention, resolve_attention
+from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, CountingBackend, compile_counting, conv_backend
+from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
+from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
+from loraswap.server.engine.pipeline.previews import LatentPreviewer
+from loraswap.server.engine.pipeline.quantization import quantize_denoiser, weight_bytes
+from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
+from loraswap.server.engine.pipeline.warm_up import warm_up_buckets, warm_up_requests
 from loraswap.server.engine.rank_buckets import resolve_rank_buckets
 from loraswap.server.engine.request_rules import RequestRules
-from loraswap.server.engine.target_layers import resolve_target_layers
 from loraswap.server.engine.types import GeneratedImage, GenerationParams, ImageFormat, StepProgress, Timings
-from loraswap.server.engine.warm_up import warm_up_buckets, warm_up_requests
 
 log = logging.getLogger(__name__)
 
