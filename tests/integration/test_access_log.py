@@ -194,7 +194,7 @@ async def test_an_unusable_request_id_is_replaced(stub, kept):
 
 async def test_start_up_logs_each_phase_with_its_duration(stub, kept):
     phases = {
-        r.phase: r.seconds for r in kept.records if r.name == "loraswap.server.engine.pipeline.runtime" and hasattr(r, "phase")
+        r.phase: r.seconds for r in kept.records if r.name == "loraswap.server.engine.pipeline.startup" and hasattr(r, "phase")
     }
     assert set(phases) == {"load", "slot", "warm-up"}  # compile only when compiling
     assert all(seconds >= 0 for seconds in phases.values())
@@ -230,7 +230,7 @@ async def test_serve_log_format_json_writes_one_object_per_line():
     phases = {
         fields["phase"]
         for fields in ours
-        if fields.get("logger") == "loraswap.server.engine.pipeline.runtime" and "phase" in fields
+        if fields.get("logger") == "loraswap.server.engine.pipeline.startup" and "phase" in fields
     }
     assert phases == {"load", "slot", "warm-up"}
     (access,) = [fields for fields in ours if fields.get("logger") == "loraswap.access"]

@@ -22,6 +22,7 @@ from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
 from loraswap.server.engine.pipeline.quantization import check_quantization
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.startup import start_runtime
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 from tests.support.servers import TEST_TORCH_THREADS, server_settings
@@ -40,7 +41,7 @@ STYLES = ("outline", "swap-colors", "purple")
 
 def _runtime(quantize: str, **engine) -> DiffusionRuntime:
     engine.setdefault("warmup", False)
-    return DiffusionRuntime(
+    return start_runtime(
         EngineConfig(model="shapes", quantize=quantize, max_rank=16, torch_threads=TEST_TORCH_THREADS, **engine)
     )
 

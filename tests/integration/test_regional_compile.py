@@ -7,7 +7,7 @@ import pytest
 from loraswap.client import AsyncLoraswapClient
 from loraswap.server.app import start_server
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.startup import start_runtime
 from tests.support.images import assert_images_close, decode
 from tests.support.servers import TEST_TORCH_THREADS, server_settings
 
@@ -55,7 +55,7 @@ async def test_regional_compile_swaps_match_diffusers_without_recompiling(flux_a
 )  # fmt: skip
 def test_compile_mode_as_the_server_reports_it_on_cpu(compile, mode, label):
     """On the CPU the CUDA-graph modes compile as their graph-free twins, and GetServerInfo says so."""
-    runtime = DiffusionRuntime(
+    runtime = start_runtime(
         EngineConfig(
             model="tiny-flux", device="cpu", compile=compile, compile_mode=mode, warmup=False,
             torch_threads=TEST_TORCH_THREADS,

@@ -14,7 +14,7 @@ from peft.tuners.lora import LoraLayer
 from loraswap.server.engine.adapters.canonical import SlotSpec
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models import builtin_model
-from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.startup import start_runtime
 
 MAX_RANK = 16
 DENOISER = {"tiny-flux": "transformer", "tiny-sdxl": "unet"}
@@ -23,7 +23,7 @@ DENOISER = {"tiny-flux": "transformer", "tiny-sdxl": "unet"}
 def tiny_slot_specs() -> dict[str, SlotSpec]:
     """The slot spec of each real tiny runtime (default target modules, max rank 16, float32 on CPU)."""
     return {
-        model: DiffusionRuntime(
+        model: start_runtime(
             EngineConfig(model=model, max_rank=MAX_RANK, compile=False, warmup=False, torch_threads=1)
         ).slot_spec()
         for model in DENOISER

@@ -160,9 +160,9 @@ SHAPES_PROMPTS = (
 
 @pytest.fixture(scope="module")
 def shapes_runtime():
-    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.startup import start_runtime
 
-    return DiffusionRuntime(
+    return start_runtime(
         EngineConfig(model="shapes", device="cpu", compile=False, warmup=False, torch_threads=TEST_TORCH_THREADS)
     )
 

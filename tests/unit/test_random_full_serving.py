@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.startup import start_runtime
 
 torch.set_num_threads(1)
 
 
 def test_random_flux_runtime_has_full_width_layers_and_bf16_slot():
-    runtime = DiffusionRuntime(EngineConfig(model="random-flux", layers=1, max_rank=8, compile=False, warmup=False))
+    runtime = start_runtime(EngineConfig(model="random-flux", layers=1, max_rank=8, compile=False, warmup=False))
     assert runtime.dtype == torch.bfloat16  # the default for full-size random models, even on CPU
     assert runtime.request_rules.size_multiple == 16
     spec = runtime.slot_spec()
@@ -22,4 +22,4 @@ def test_random_flux_runtime_has_full_width_layers_and_bf16_slot():
 
 def test_layers_is_refused_for_other_models():
     with pytest.raises(ValueError, match="random-flux"):
-        DiffusionRuntime(EngineConfig(model="tiny-flux", layers=2, compile=False, warmup=False))
+        start_runtime(EngineConfig(model="tiny-flux", layers=2, compile=False, warmup=False))

@@ -36,6 +36,7 @@ from loraswap.server.engine.errors import (
 from loraswap.server.engine.models import BUILTINS, served_base_model
 from loraswap.server.engine.observer import NO_OBSERVER, EngineGauges, EngineObserver
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.startup import start_runtime
 from loraswap.server.engine.scheduler import GenerationJob, GenerationScheduler
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
@@ -74,7 +75,7 @@ class DiffusionEngine:
         self._loader_pool = ThreadPoolExecutor(max_workers=ADAPTER_LOAD_THREADS, thread_name_prefix="loraswap-loader")
         self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool, observer)
         self._scheduler = GenerationScheduler(
-            lambda: DiffusionRuntime(config), config.max_queue, config.max_bypass, observer
+            lambda: start_runtime(config), config.max_queue, config.max_bypass, observer
         )
         self._runtime: DiffusionRuntime | None = None
         self._slot_spec: SlotSpec | None = None
@@ -297,39 +298,9 @@ class DiffusionEngine:
     # -- facts ------------------------------------------------------------------------------------------
 
     def describe(self) -> ServerDescription:
-        """The resident model, its slot and its compile state."""
+        """The resident model, its slot and its compile state: the runtime's facts, and the engine's own."""
         runtime = self._require_runtime()
-        rules = runtime.request_rules
-        resident = runtime.slot.resident
-        resident_adapters = runtime.slot.resident_adapters
-        return ServerDescription(
-            model=self.config.model,
-            family=runtime.family,
-            dtype=str(runtime.dtype).removeprefix("torch."),
-            device=str(runtime.device),
-            max_rank=self.config.max_rank,
-            target_layers=tuple(runtime.target_layers),
-            compiled=runtime.compiled,
-            compile_mode=runtime.compile_label,
-            recompilations=runtime.recompilations,
-            resident_adapter=resident.name if resident is not None else "",
-            size_multiple=rules.size_multiple,
-            min_size=rules.min_size,
-            max_size=rules.max_size,
-            default_width=rules.defaults.width,
-            default_height=rules.defaults.height,
-            default_num_inference_steps=rules.defaults.num_inference_steps,
-            default_guidance_scale=rules.defaults.guidance_scale,
-            resident_adapters=tuple(adapter.name for adapter in resident_adapters),
-            max_stack=rules.max_stack,
-            rank_buckets=runtime.slot.rank_buckets,
-            base_model=self._base_models.served.id,
-            quantization=self.config.quantize,
-            denoiser_weight_bytes=runtime.denoiser_weight_bytes,
-            attention_backend=runtime.attention_backend,
-            pinned_adapter_memory=self._slot_spec is not None and self._slot_spec.pin_memory,
-            device_adapter_bytes=runtime.device_adapter_bytes,
-        )
+        return ServerDescription(model=self.config.model, base_model=self._base_models.served.id, **runtime.describe())
 
     def _require_runtime(self) -> DiffusionRuntime:
         if self._runtime is None:

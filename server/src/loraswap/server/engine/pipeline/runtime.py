@@ -1,64 +1,96 @@
-"""The resident pipeline: load it, put the swap slot in place, compile, warm up, run one job.
+"""The warm pipeline with its swap slot: run one job, and say what is resident.
 
-Everything here runs on the engine's single worker thread (start-up included),
-always under `torch.inference_mode()`: compiled graphs are specialised on the
-grad mode, so warming up and serving in the same mode keeps them valid.
+Everything here runs on the engine's single worker thread, always under
+`torch.inference_mode()`: compiled graphs are specialised on the grad mode, so
+warming up and serving in the same mode keeps them valid. `start_runtime`
+(startup.py) builds a DiffusionRuntime phase by phase; the records below are
+what each phase makes.
 """
 
 from __future__ import annotations
 
-import functools
 import io
-import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from loraswap.server.engine.adapters.canonical import SlotSpec
-from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.adapters.slot import HotswapSlot, StackMember
-from loraswap.server.engine.compile_options import (
-    compile_mode_label,
-    compile_options_problem,
-    effective_compile_mode,
-    resolve_compile_kind,
-)
+from loraswap.server.engine.compile_options import compile_mode_label
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import ErrorReason, GenerationCancelledError, InvalidRequestError
-from loraswap.server.engine.families import family_of
-from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
-from loraswap.server.engine.pipeline.attention import apply_attention, resolve_attention
-from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, CountingBackend, compile_counting, conv_backend
-from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
-from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
+from loraswap.server.engine.families import FamilyTraits
+from loraswap.server.engine.pipeline.compile import CountingBackend, conv_backend
+from loraswap.server.engine.pipeline.cpu_threads import CoreShare, FixedThreads
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
-from loraswap.server.engine.pipeline.quantization import quantize_denoiser, weight_bytes
-from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
-from loraswap.server.engine.pipeline.warm_up import warm_up_buckets, warm_up_requests
-from loraswap.server.engine.rank_buckets import resolve_rank_buckets
 from loraswap.server.engine.request_rules import RequestRules
-from loraswap.server.engine.types import GeneratedImage, GenerationParams, ImageFormat, StepProgress, Timings
-
-log = logging.getLogger(__name__)
+from loraswap.server.engine.types import (
+    GeneratedImage,
+    GenerationParams,
+    ImageFormat,
+    ModelDefaults,
+    StepProgress,
+    Timings,
+)
 
 JPEG_QUALITY = 95
 
 
-def _resolve_device(config: EngineConfig) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+@dataclass(frozen=True)
+class LoadedModel:
+    """The load phase's product: the pipeline on its device, its family's traits, and the rules for requests."""
+
+    pipe: Any  # a diffusers pipeline of the family
+    traits: FamilyTraits
+    device: torch.device
+    dtype: torch.dtype
+    threads: CoreShare | FixedThreads  # --torch-threads, or the cores other processes leave free
+    defaults: ModelDefaults
+    request_rules: RequestRules
+    previewer: LatentPreviewer
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.traits.denoiser(self.pipe)
 
 
-def _resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype:
-        dtype = getattr(torch, config.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown --dtype {config.dtype!r}; use float32, float16 or bfloat16")
-        return dtype
-    return getattr(torch, default_dtype(config.model, device.type))
+@dataclass(frozen=True)
+class InstalledSlot:
+    """The slot phase's product: the swap slot on the denoiser's target layers."""
+
+    slot: HotswapSlot
+    target_layers: tuple[str, ...]
+    device_adapter_bytes: int  # device memory for the hot set of adapters (CUDA only; else 0)
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """The quantize phase's product: how the denoiser's base linear weights are stored, and their bytes."""
+
+    quantization: str
+    denoiser_weight_bytes: int
+
+
+@dataclass(frozen=True)
+class CompiledDenoiser:
+    """The compile phase's product: the attention backend the graphs trace and how torch.compile covers them."""
+
+    kind: str  # none, full or regional
+    mode: str  # the mode compiled with (a CUDA-graph mode runs as its graph-free twin off CUDA)
+    attention_backend: str
+    backend: CountingBackend | None  # counts the graphs compiled; None when not compiled
+
+    @property
+    def compiled(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def label(self) -> str:
+        """How the denoiser is compiled, as GetServerInfo.compile_mode says it: `full/default`, `regional/...`, `none`."""
+        return compile_mode_label(self.kind, self.mode)
 
 
 def encode_image(image, image_format: ImageFormat) -> bytes:
@@ -73,152 +105,81 @@ def encode_image(image, image_format: ImageFormat) -> bytes:
     return buffer.getvalue()
 
 
-def _phase_done(phase: str, since: float, detail: str) -> float:
-    """Log that a start-up phase ended, with its duration; returns the time now (the next phase's start)."""
-    now = time.perf_counter()
-    seconds = now - since
-    log.info("start-up %s: %.2f s, %s", phase, seconds, detail, extra={"phase": phase, "seconds": round(seconds, 3)})
-    return now
-
-
 class DiffusionRuntime:
-    """The warm pipeline with its swap slot. Construct and call only on the worker thread."""
+    """The warm pipeline with its swap slot, made by start_runtime. Call only on the worker thread."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        installed: InstalledSlot,
+        weights: StoredWeights,
+        compiled: CompiledDenoiser,
+    ) -> None:
         self.config = config
-        self.device = _resolve_device(config)
-        self.dtype = _resolve_dtype(config, self.device)
-        problem = compile_options_problem(config.compile, config.compile_mode, config.compile_backend)
-        if problem is not None:
-            raise ValueError(problem)
-        self.compile_kind = resolve_compile_kind(config.compile, self.device.type)
-        self.compile_mode = effective_compile_mode(config.compile_mode, self.device.type)
-        if self.compile_mode != config.compile_mode:
-            log.warning(
-                "--compile-mode %s captures CUDA graphs, which %s has none of: compiling with mode %s",
-                config.compile_mode, self.device, self.compile_mode,
-            )  # fmt: skip
-        self.compiled = self.compile_kind != "none"
-        self._backend: CountingBackend | None = None
+        self.pipe, self.traits, self.family = loaded.pipe, loaded.traits, loaded.traits.family
+        self.device, self.dtype, self.threads = loaded.device, loaded.dtype, loaded.threads
+        self.defaults, self.request_rules, self.previewer = loaded.defaults, loaded.request_rules, loaded.previewer
+        self.denoiser = loaded.denoiser
+        self.slot, self.target_layers = installed.slot, list(installed.target_layers)
+        self.device_adapter_bytes = installed.device_adapter_bytes
+        self.quantization, self.denoiser_weight_bytes = weights.quantization, weights.denoiser_weight_bytes
+        self.compile_kind, self.compile_mode = compiled.kind, compiled.mode
+        self.compiled, self.compile_label = compiled.compiled, compiled.label
+        self.attention_backend = compiled.attention_backend
+        self._backend = compiled.backend
         self._graphs_at_ready = 0
-        # --torch-threads, or (unset) the usable cores that other processes leave free, followed step by step.
-        self.threads = thread_policy(config.torch_threads)
-        if isinstance(self.threads, CoreShare) and self.device.type == "cpu":
-            from torch._inductor import config as inductor_config
-
-            # inductor's C++ kernels otherwise fix the thread count they were compiled with.
-            inductor_config.cpp.dynamic_threads = True
-
-        started = time.perf_counter()
-        self.pipe = load_pipeline(config.model, self.dtype, config.layers)
-        self.traits = family_of(self.pipe)
-        self.family = self.traits.family
-        self.defaults = generation_defaults(config.model, self.pipe)
-        self.request_rules = RequestRules(
-            defaults=self.defaults,
-            size_multiple=self.traits.size_multiple(self.pipe),
-            min_size=self.traits.min_size(self.pipe),
-            max_size=config.max_size,
-            max_stack=config.max_stack,
-            ignored_negative_prompt=self.traits.ignored_negative_prompt(self.defaults),
-        )
-        self.pipe.set_progress_bar_config(disable=True)
-        for component in self.pipe.components.values():
-            if isinstance(component, torch.nn.Module):
-                component.requires_grad_(False)
-        self.pipe.to(self.device)
-        self.previewer = LatentPreviewer(
-            latent_rgb(config.model, self.pipe), self.pipe.vae.config.latent_channels, self.device,
-            functools.partial(self.traits.spatial_latents, self.pipe),
-        )  # fmt: skip
-        loaded = f"{config.model} ({self.family.value}, {self.dtype} on {self.device})"
-        phase_started = _phase_done("load", started, loaded)
-        self.denoiser = self.traits.denoiser(self.pipe)
-        patterns = config.target_modules or self.traits.default_target_modules
-        self.target_layers = resolve_target_layers(self.denoiser, tuple(patterns))
-        self.slot = HotswapSlot.install(
-            self.denoiser, self.target_layers, config.max_rank, self.dtype, self.device,
-            resolve_rank_buckets(config.rank_buckets, config.max_rank),
-        )  # fmt: skip
-        quantize_denoiser(self.denoiser, config.quantize)  # base linears only, after the slot, before compile
-        self.denoiser_weight_bytes = weight_bytes(self.denoiser)
-        # Before compiling: the backend is part of what the graphs are traced from.
-        self.attention_backend = apply_attention(self.denoiser, resolve_attention(config.attention, self.device))
-        # CUDA only: cached adapters are pinned (SlotSpec.pin_memory) and hot ones kept on the device.
-        self.device_adapter_bytes = config.device_adapter_bytes if self.device.type == "cuda" else 0
-        if self.device_adapter_bytes:
-            self.slot.device_cache = DeviceAdapterCache(self.device_adapter_bytes, self.device)
-        elif config.device_adapter_bytes:
-            log.info("--device-adapter-bytes: adapters are copied from host memory on %s, no hot set", self.device)
-        slot_detail = f"{len(self.target_layers)} layers at rank {config.max_rank}"
-        phase_started = _phase_done("slot", phase_started, slot_detail)
-        if self.compiled:
-            # Each rank bucket (and the base model) is a graph of its own for every class of shapes.
-            buckets_limit = RECOMPILE_LIMIT * len(self.slot.graph_buckets)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets_limit)
-            self._backend = compile_counting(
-                self.denoiser, config.compile_backend, kind=self.compile_kind, mode=self.compile_mode
-            )
-            # dynamo compiles lazily: the graphs themselves are built by the warm-up's first calls.
-            phase_started = _phase_done("compile", phase_started, f"backend {config.compile_backend}")
-        if config.warmup:
-            with compile_cache_scope(self._compile_cache_folder()):
-                self._warm_up()
-        if self._backend is not None:
-            self._graphs_at_ready = self._backend.graphs_compiled
-        if config.warmup:
-            _phase_done("warm-up", phase_started, f"{self._graphs_at_ready} graphs compiled")
-        log.info(
-            "ready: %s (%s, %s on %s), %d slot layers at rank %d, compiled=%s, in %.1f s",
-            config.model, self.family.value, self.dtype, self.device, len(self.target_layers),
-            config.max_rank, self.compiled, time.perf_counter() - started,
-        )  # fmt: skip
-
-    # -- start-up ---------------------------------------------------------------------------------
-
-    def _compile_cache_folder(self) -> Path | None:
-        """The --compile-cache subfolder for this runtime's graphs (see compile_cache.py); None when not caching."""
-        if not self.compiled or self.config.compile_cache is None:
-            return None
-        key = runtime_cache_key(
-            model=self.config.model, layers=self.config.layers, dtype=self.dtype, device=self.device,
-            max_rank=self.config.max_rank, rank_buckets=tuple(self.slot.graph_buckets),
-            target_layers=tuple(self.target_layers), quantize=self.config.quantize,
-            compile_kind=self.compile_kind, compile_backend=self.config.compile_backend,
-            compile_mode=self.compile_mode,
-        )  # fmt: skip
-        return key.folder(self.config.compile_cache)
-
-    def _warm_up(self) -> None:
-        """Run the pipeline at the shapes that make every later request reuse a compiled graph (see warm_up.py)."""
-        requests = warm_up_requests(
-            self.request_rules, self.traits.upsample_period(self.pipe), self.traits.warm_up_guidance(self.defaults)
-        )
-        for bucket in warm_up_buckets(self.slot.graph_buckets, self.compiled):
-            with self.slot.computing_at(bucket):
-                for request in requests:
-                    self.generate(
-                        self.request_rules.resolve(request), (), on_step=lambda progress: None,
-                        is_cancelled=lambda: False,
-                    )  # fmt: skip
 
     # -- facts --------------------------------------------------------------------------------------
 
     @property
-    def compile_label(self) -> str:
-        """How the denoiser is compiled, as GetServerInfo.compile_mode says it: `full/default`, `regional/...`, `none`."""
-        return compile_mode_label(self.compile_kind, self.compile_mode)
+    def graphs_compiled(self) -> int:
+        """Graphs compiled since start-up (0 when not compiled)."""
+        return self._backend.graphs_compiled if self._backend is not None else 0
+
+    def count_recompilations_from_now(self) -> None:
+        """The warm-up is over: every graph compiled from here on is a recompilation."""
+        self._graphs_at_ready = self.graphs_compiled
 
     @property
     def recompilations(self) -> int:
         """Graphs compiled since warm-up finished (0 when not compiled)."""
-        if self._backend is None:
-            return 0
-        return self._backend.graphs_compiled - self._graphs_at_ready
+        return self.graphs_compiled - self._graphs_at_ready
 
     def slot_spec(self) -> SlotSpec:
         """What adapters must fit to be swapped into this runtime's slot."""
         return self.slot.spec(self.family, self.dtype, self.device, strict=self.config.strict_adapters)
+
+    def describe(self) -> dict[str, object]:
+        """The ServerDescription fields this runtime knows: the model as loaded, its slot, compile and storage."""
+        rules = self.request_rules
+        resident = self.slot.resident
+        return dict(
+            family=self.family,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            max_rank=self.slot.max_rank,
+            target_layers=tuple(self.target_layers),
+            compiled=self.compiled,
+            compile_mode=self.compile_label,
+            recompilations=self.recompilations,
+            resident_adapter=resident.name if resident is not None else "",
+            resident_adapters=tuple(adapter.name for adapter in self.slot.resident_adapters),
+            size_multiple=rules.size_multiple,
+            min_size=rules.min_size,
+            max_size=rules.max_size,
+            max_stack=rules.max_stack,
+            default_width=rules.defaults.width,
+            default_height=rules.defaults.height,
+            default_num_inference_steps=rules.defaults.num_inference_steps,
+            default_guidance_scale=rules.defaults.guidance_scale,
+            rank_buckets=self.slot.rank_buckets,
+            quantization=self.quantization,
+            denoiser_weight_bytes=self.denoiser_weight_bytes,
+            attention_backend=self.attention_backend,
+            pinned_adapter_memory=self.slot_spec().pin_memory,
+            device_adapter_bytes=self.device_adapter_bytes,
+        )
 
     # -- requests -----------------------------------------------------------------------------------
 
