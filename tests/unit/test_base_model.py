@@ -27,8 +27,8 @@ from loraswap.server.engine.adapters.base_model import (
     BaseModelPolicy,
     normalise,
     read_declarations,
-    read_safetensors_metadata,
 )
+from loraswap.server.engine.adapters.safetensors_file import read_safetensors_metadata
 from loraswap.server.engine.adapters.sources import AdapterFile, LocalAdapterDirectory
 from loraswap.server.engine.errors import AdapterFormatError, BaseModelMismatchError, ErrorReason
 from loraswap.server.engine.models import BUILTINS, served_base_model

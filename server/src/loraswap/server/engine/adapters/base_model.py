@@ -26,13 +26,13 @@ any model id, is refused as ADAPTER_BAD_METADATA.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
 
+from loraswap.server.engine.adapters.safetensors_file import read_safetensors_metadata
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.errors import AdapterFormatError, BaseModelMismatchError, ErrorReason, shorten
 
@@ -44,8 +44,6 @@ MAX_CARD_BASES = 16
 MAX_CARD_BYTES = 256 * 1024
 # The `base_model` lines of a card: MAX_CARD_BASES ids with room to spare.
 MAX_CARD_DECLARATION_CHARS = 8 * 1024
-# safetensors' own limit on a header.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 SOURCE_BASE_MODEL = "safetensors:base_model"
 SOURCE_MODELSPEC = "safetensors:modelspec.architecture"
@@ -180,23 +178,6 @@ def _checked_value(value: object, source: str, adapter: str) -> str | None:
             reason=ErrorReason.ADAPTER_BAD_METADATA,
         )
     return value.strip() or None
-
-
-def read_safetensors_metadata(path: Path, max_bytes: int = 0) -> dict:
-    """The `__metadata__` of a safetensors file, reading its header only; {} when there is none or it is unreadable."""
-    limit = min(MAX_HEADER_BYTES, max_bytes) if max_bytes else MAX_HEADER_BYTES
-    try:
-        with open(path, "rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            if not 0 < length <= limit:
-                return {}
-            raw = handle.read(length)
-        header = json.loads(raw)
-    # Unreadable or not JSON: no declaration here; the tensor reader refuses the file with the reason why.
-    except (OSError, ValueError, RecursionError):
-        return {}
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return metadata if isinstance(metadata, dict) else {}
 
 
 def _card_base_model(path: Path, adapter: str) -> object:

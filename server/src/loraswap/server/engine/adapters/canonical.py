@@ -12,41 +12,27 @@ makes the slot's gating exact.
 Reading goes through diffusers' own `lora_state_dict` converters (kohya,
 A1111, ComfyUI, xlabs, ... to diffusers keys) and the same alpha rules as
 `load_lora_adapter`, so an adapter means exactly what diffusers makes of it.
+The file itself is read by safetensors_file.py and its LoraConfig checked by
+lora_config.py, both as untrusted input.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from loraswap.server.engine.adapters.base_model import BaseModelPolicy
+from loraswap.server.engine.adapters.lora_config import layer_scalings
+from loraswap.server.engine.adapters.safetensors_file import read_adapter_file
 from loraswap.server.engine.adapters.sources import AdapterFile
-from loraswap.server.engine.errors import (
-    AdapterFormatError,
-    AdapterIncompatibleError,
-    AdapterTooLargeError,
-    ErrorReason,
-    shorten,
-)
+from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, ErrorReason, shorten
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.request_rules import MAX_ADAPTER_SCALE
 from loraswap.server.engine.types import ModelFamily
-
-# diffusers stores the LoraConfig of each component in this safetensors metadata key.
-LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
-# Metadata is untrusted input: honest LoraConfig JSON is a few kilobytes with at most one pattern per layer.
-MAX_METADATA_CHARS = 1 << 20
-MAX_PATTERN_ENTRIES = 1024
-MAX_PATTERN_CHARS = 256
-# PEFT runs rank_pattern/alpha_pattern keys as regular expressions; only literal module names (where '.' is the
-# one metacharacter, and it cannot backtrack) are let through, so no file can make matching take unbounded time.
-_LITERAL_PATTERN = re.compile(r"\^?[A-Za-z0-9_.]+")
 
 
 @dataclass(frozen=True)
@@ -104,71 +90,6 @@ class CanonicalAdapter:
         )
 
 
-def _read_bytes(adapter_file: AdapterFile) -> bytes:
-    """The whole file, read once (never mapped) and held to the size limit even if it grew since it was found."""
-    limit = adapter_file.max_bytes
-    try:
-        with open(adapter_file.path, "rb") as handle:
-            data = handle.read(limit + 1) if limit else handle.read()
-    except OSError as exc:
-        raise AdapterFormatError(
-            f"adapter {shorten(adapter_file.name)!r} cannot be read ({exc.strerror or type(exc).__name__}); "
-            "check the file and its permissions"
-        ) from exc
-    if limit and len(data) > limit:
-        raise AdapterTooLargeError(
-            f"adapter {shorten(adapter_file.name)!r} is over the server's limit of {limit} bytes "
-            "(--max-adapter-bytes); use a smaller rank or fewer layers",
-            max_bytes=limit,
-        )
-    return data
-
-
-def _read_safetensors(adapter_file: AdapterFile) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """Tensors and LoraConfig metadata of an adapter file.
-
-    Every tensor owns a copy of its bytes: nothing stays mapped from the file (safe_open would mmap it), so a
-    file truncated or rewritten after it was cached can neither crash the server (SIGBUS on a mapped page) nor
-    change the validated weights the cache holds.
-    """
-    from safetensors.torch import load
-
-    data = _read_bytes(adapter_file)
-    label = shorten(adapter_file.name)
-    try:
-        state_dict = load(data)
-        header_length = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_length]).get("__metadata__") or {}
-    # Decoding untrusted bytes: whatever safetensors or torch raise means the same thing, an unreadable file.
-    except Exception as exc:
-        raise AdapterFormatError(
-            f"adapter {label!r} is not a readable safetensors file ({shorten(exc)}); "
-            "re-export or re-download the adapter"
-        ) from exc
-    del data
-    raw = header.get(LORA_ADAPTER_METADATA_KEY)
-    if raw and len(raw) > MAX_METADATA_CHARS:
-        raise AdapterFormatError(
-            f"adapter {label!r} has {len(raw)} characters of '{LORA_ADAPTER_METADATA_KEY}' metadata, more than the "
-            f"{MAX_METADATA_CHARS} accepted; save the adapter with its LoraConfig only",
-            reason=ErrorReason.ADAPTER_BAD_METADATA,
-        )
-    try:
-        metadata = json.loads(raw) if raw else None
-    except (ValueError, RecursionError) as exc:  # not JSON, nested too deep, a number too long to convert
-        raise AdapterFormatError(
-            f"adapter {label!r} has malformed '{LORA_ADAPTER_METADATA_KEY}' metadata ({shorten(exc)}); "
-            "re-save it with diffusers",
-            reason=ErrorReason.ADAPTER_BAD_METADATA,
-        ) from exc
-    if metadata is not None and not isinstance(metadata, dict):
-        raise AdapterFormatError(
-            f"adapter {label!r} has '{LORA_ADAPTER_METADATA_KEY}' metadata that is not a JSON object",
-            reason=ErrorReason.ADAPTER_BAD_METADATA,
-        )
-    return state_dict, metadata
-
-
 def _check_tensors(state_dict: dict[str, torch.Tensor]) -> None:
     """Refuse degenerate tensors before any converter divides by a rank or indexes a shape."""
     for key, tensor in state_dict.items():
@@ -201,9 +122,7 @@ def _to_diffusers_keys(
     return converted, alphas
 
 
-def _split_by_component(
-    state_dict: dict[str, torch.Tensor], prefix: str
-) -> tuple[dict[str, torch.Tensor], list[str]]:
+def _split_by_component(state_dict: dict[str, torch.Tensor], prefix: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     own: dict[str, torch.Tensor] = {}
     dropped: dict[str, int] = {}
     for key, value in state_dict.items():
@@ -213,122 +132,6 @@ def _split_by_component(
             component = key.split(".", 1)[0]
             dropped[component] = dropped.get(component, 0) + 1
     return own, [f"{component} ({count} tensors)" for component, count in sorted(dropped.items())]
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _checked_patterns(name: str, patterns: object, value_ok: Callable[[object], bool], reason: ErrorReason) -> None:
-    """Refuse a pattern dict PEFT would run unbounded or choke on: too many keys, a non-literal key, a bad value."""
-    if not isinstance(patterns, dict):
-        raise AdapterFormatError(
-            f"the adapter's {name} is a {type(patterns).__name__}; it must map module names to values",
-            reason=reason,
-        )
-    if len(patterns) > MAX_PATTERN_ENTRIES:
-        raise AdapterFormatError(
-            f"the adapter's {name} has {len(patterns)} entries; at most {MAX_PATTERN_ENTRIES} are accepted",
-            reason=reason,
-        )
-    for key, value in patterns.items():
-        if len(key) > MAX_PATTERN_CHARS or not _LITERAL_PATTERN.fullmatch(key):
-            raise AdapterFormatError(
-                f"the adapter's {name} has the key {shorten(key, 80)!r}; keys must be module names (letters, digits, "
-                f"'_' and '.', at most {MAX_PATTERN_CHARS} characters), never regular expressions",
-                reason=reason,
-            )
-        if not value_ok(value):
-            raise AdapterFormatError(
-                f"the adapter's {name} gives {shorten(key, 80)!r} the value {shorten(value, 40)!r}; "
-                "use a number (a positive integer for ranks)",
-                reason=reason,
-            )
-
-
-# The LoraConfig fields that decide what a loaded adapter computes, with what each must be. The rest (dropout,
-# init options, training settings, ...) never reach PEFT, so nothing in them can fail or run there.
-_LORA_CONFIG_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "r": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a positive integer"),
-    "lora_alpha": (_is_number, "a number"),
-    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
-    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
-}
-
-
-def _lora_config_fields(metadata: dict) -> dict:
-    """The fields of a LoraConfig from file metadata that matter here, each checked, before PEFT sees any."""
-    fields = {}
-    for key, (is_valid, expected) in _LORA_CONFIG_FIELDS.items():
-        if key in metadata and metadata[key] is not None:
-            if not is_valid(metadata[key]):
-                raise AdapterFormatError(
-                    f"the adapter's LoRA setting {key} is {shorten(metadata[key], 40)!r}; it must be {expected}",
-                    reason=ErrorReason.ADAPTER_BAD_METADATA,
-                )
-            fields[key] = metadata[key]
-    for key, value_ok in (
-        ("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-        ("alpha_pattern", _is_number),
-    ):
-        if metadata.get(key) is not None:
-            _checked_patterns(key, metadata[key], value_ok, ErrorReason.ADAPTER_BAD_METADATA)
-            fields[key] = metadata[key]
-    return fields
-
-
-def _pattern_lookup(patterns: Mapping[str, object]) -> Callable[[str], str | None]:
-    """PEFT's get_pattern_key (the first key whose pattern ends the module name) with each pattern compiled once.
-
-    get_pattern_key compiles per call, and past re's cache of 512 patterns that is a compile per module and key.
-    """
-    compiled = [(key, re.compile(rf"(.*\.)?({key})$")) for key in patterns]
-
-    def lookup(module: str) -> str | None:
-        return next((key for key, pattern in compiled if pattern.match(module)), None)
-
-    return lookup
-
-
-def _layer_scalings(
-    state_dict: dict[str, torch.Tensor], alphas: dict[str, float] | None, metadata: dict | None, prefix: str
-) -> dict[str, float]:
-    """Per-module alpha/rank exactly as diffusers' load_lora_adapter configures PEFT."""
-    from diffusers.utils.peft_utils import _create_lora_config
-
-    ranks = {f"^{key}": value.shape[1] for key, value in state_dict.items() if "lora_B" in key and value.ndim > 1}
-    if alphas:
-        alphas = {k.removeprefix(f"{prefix}."): v for k, v in alphas.items() if k.startswith(f"{prefix}.")}
-    if metadata:
-        metadata = {k.removeprefix(f"{prefix}."): v for k, v in metadata.items() if k.startswith(f"{prefix}.")}
-        metadata = _lora_config_fields(metadata) if metadata else None
-    try:
-        config = _create_lora_config(state_dict, alphas or None, metadata, ranks)
-    # Checked fields only reach PEFT; anything it still refuses is an invalid configuration, not a server fault.
-    except Exception as exc:
-        raise AdapterFormatError(f"the adapter's LoRA configuration is not valid ({shorten(exc)})") from exc
-    if getattr(config, "use_dora", False):
-        raise AdapterIncompatibleError("DoRA adapters cannot be swapped in place; use a plain LoRA")
-    # Without metadata, diffusers derives alpha_pattern keys from the file's alpha tensor names: check those too.
-    _checked_patterns(
-        "alpha_pattern", config.alpha_pattern, _is_number,
-        ErrorReason.ADAPTER_BAD_METADATA if metadata is not None else ErrorReason.ADAPTER_MALFORMED,
-    )  # fmt: skip
-    alpha_key_of = _pattern_lookup(config.alpha_pattern)
-    scalings = {}
-    for key, value in state_dict.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key.removesuffix(".lora_A.weight")
-        rank = value.shape[0]
-        alpha = config.alpha_pattern.get(alpha_key_of(module), config.lora_alpha)
-        if not math.isfinite(alpha):
-            raise AdapterFormatError(
-                f"layer {shorten(module)} has LoRA alpha {alpha}; alpha must be a finite number",
-                reason=ErrorReason.ADAPTER_NOT_FINITE,
-            )
-        scalings[module] = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-    return scalings
 
 
 def _check_factor_pairs(state_dict: dict[str, torch.Tensor]) -> None:
@@ -477,7 +280,7 @@ def load_canonical(
     started = time.perf_counter()
     if base_models is not None:
         base_models.check(adapter_file)
-    raw, metadata = _read_safetensors(adapter_file)
+    raw, metadata = read_adapter_file(adapter_file)
     if not raw:
         raise AdapterFormatError(f"adapter {shorten(adapter_file.name)!r} holds no tensors")
     _check_tensors(raw)
@@ -507,7 +310,7 @@ def load_canonical(
         own = convert_unet_state_dict_to_peft(own)
     _check_factor_pairs(own)
     _check_layers(own, spec)
-    scalings = _layer_scalings(own, alphas, metadata, prefix)
+    scalings = layer_scalings(own, alphas, metadata, prefix)
     layers = _canonical_layers(own, scalings, spec)
     return CanonicalAdapter(
         name=adapter_file.name,
