@@ -1,11 +1,28 @@
-"""The engine's settings: one frozen object, filled by the front end from flags and environment."""
+"""The engine's settings: one frozen object, each field declared once with everything a front end needs.
+
+A field made by `setting(...)` is a setting of `loraswap serve`: its name gives the flag
+(`max_rank` -> `--max-rank`) and the environment twin (`LORASWAP_MAX_RANK`), its default is
+the dataclass default, and its `SettingSpec` says how the text of a flag or variable becomes
+the value, which values are allowed, and the help line. The front end (loraswap.server.config)
+derives its argument parser and environment reading from these fields and nothing else.
+The rules that concern the engine (compile options, quantization, attention, rank buckets,
+device bytes) are checked here, once, when the config is made.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 
-from loraswap.server.engine.compile_options import normalize_compile
+from loraswap.server.engine.compile_options import (
+    COMPILE_KINDS,
+    COMPILE_MODES,
+    compile_options_problem,
+    normalize_compile,
+)
+from loraswap.server.engine.models import BUILTINS
+from loraswap.server.engine.rank_buckets import parse_rank_buckets, resolve_rank_buckets
 
 DEFAULT_MAX_RANK = 64
 DEFAULT_MAX_STACK = 4
@@ -16,46 +33,209 @@ DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
 # --quantize: how the denoiser's base linear weights are stored (engine/pipeline/quantization.py does it with torchao).
 QUANTIZATIONS = ("none", "int8wo", "fp8")
+DTYPES = ("float32", "float16", "bfloat16")
+
+_SPEC_KEY = "loraswap_setting"
+
+
+class SettingsError(ValueError):
+    """Settings the server cannot start with (a value out of range, an incomplete combination, an unusable file).
+
+    The message is one line that says what to change; `loraswap serve` prints it and exits 2.
+    """
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    """How one setting is given: as a flag `--name-with-dashes` and as the variable LORASWAP_NAME."""
+
+    help: str
+    # The text of the flag or variable -> the value (argparse's `type`; it may raise ValueError/ArgumentTypeError).
+    parse: Callable[[str], object] = str
+    choices: tuple | None = None
+    metavar: str | None = None
+    switch: bool = False  # on/off: --name / --no-name, and true/false (1/0, yes/no, on/off) in the variable
+    const: object = None  # the value of the flag given alone (a flag that takes an optional value)
+    # A flag --no-name that sets this value (for a flag that is not a switch), with its help line.
+    negated: tuple[object, str] | None = None
+
+
+def setting(default: object, help: str, **spec: object) -> Field:
+    """A dataclass field that is a setting: its default, help line, and the rest of its SettingSpec."""
+    return field(default=default, metadata={_SPEC_KEY: SettingSpec(help=help, **spec)})
+
+
+def setting_fields(config_class: type) -> list[tuple[Field, SettingSpec]]:
+    """The fields of a settings dataclass that are settings, in declaration order, each with its spec."""
+    return [(item, item.metadata[_SPEC_KEY]) for item in fields(config_class) if _SPEC_KEY in item.metadata]
+
+
+# -- how text becomes a value (flags and variables alike) -------------------------------------------------
+
+
+def optional_text(text: str) -> str | None:
+    """An empty flag or variable means "not set", as an absent one does."""
+    return text or None
+
+
+def optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+def names(text: str) -> tuple[str, ...]:
+    """`a, b,,c` -> ("a", "b", "c")."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def optional_names(text: str) -> tuple[str, ...] | None:
+    """Like `names`, but nothing named means the default (None)."""
+    return names(text) or None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How to load, prepare and run the resident pipeline and its adapters."""
 
-    model: str = "shapes"
-    layers: int | None = None  # random-flux only: double-stream blocks kept (single-stream: twice that)
-    device: str | None = None  # None: cuda when available, else cpu
-    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
-    max_rank: int = DEFAULT_MAX_RANK
+    model: str = setting("shapes", f"built-in model ({', '.join(BUILTINS)}), a diffusers folder, or a Hub id")
+    layers: int | None = setting(
+        None, "random-flux only: keep N double-stream (2N single) blocks (default: all)", parse=int
+    )
+    device: str | None = setting(None, "torch device (default: cuda when available, else cpu)", parse=optional_text)
+    dtype: str | None = setting(
+        None, "the model's dtype (default: bfloat16 on cuda, float32 on cpu)", parse=optional_text, choices=DTYPES
+    )
+    adapter_dir: Path | None = setting(
+        None,
+        "directory of adapter files that requests may name (default: none; shapes: its shipped adapters)",
+        parse=optional_path,
+    )
+    max_rank: int = setting(DEFAULT_MAX_RANK, "highest adapter rank the swap slot takes", parse=int)
+    max_stack: int = setting(
+        DEFAULT_MAX_STACK, "most adapters one request may stack (their ranks share --max-rank)", parse=int
+    )
     # The ranks the slot computes at (ascending, up to max_rank); None: rank_buckets.default_rank_buckets(max_rank).
-    rank_buckets: tuple[int, ...] | None = None
-    max_stack: int = DEFAULT_MAX_STACK  # most adapters one request may stack
-    target_modules: tuple[str, ...] | None = None  # None: the family's defaults
+    rank_buckets: tuple[int, ...] | None = setting(
+        None,
+        "ascending ranks the slot computes at, each a graph compiled at warm-up: a request pays the smallest bucket "
+        "holding its adapter's (a stack's summed) rank, the base model none (default: 16, 32, ... up to --max-rank; "
+        "--max-rank is appended when missing)",
+        parse=parse_rank_buckets,
+        metavar="RANK,...",
+    )
+    target_modules: tuple[str, ...] | None = setting(
+        None, "comma-separated layer-name suffixes the slot covers (default: the family's)", parse=optional_names
+    )
     # none, full or regional (compile_options.py; True/False, the old switch, mean full/none); None: full on cuda only
-    compile: str | None = None
-    compile_backend: str = "inductor"
-    compile_mode: str = "default"  # torch.compile's mode (inductor); CUDA-graph modes run without graphs off CUDA
-    compile_cache: Path | None = None  # compiled artefacts persist here between starts, in a keyed subfolder
-    quantize: str = "none"  # none, int8wo or fp8: torchao storage of the denoiser's base linear weights
-    # A diffusers attention backend (attention.py); None: the fastest installed on CUDA, native elsewhere.
-    attention: str | None = None
-    adapter_dir: Path | None = None
-    allow_hub: bool = False
+    compile: str | None = setting(
+        None,
+        "torch.compile the whole denoiser (full; --compile alone), only its repeated blocks (regional: compiles "
+        "faster) or nothing (none; also --no-compile; true/false in the variable mean full/none) (default: full on "
+        "CUDA, none on CPU)",
+        parse=normalize_compile,
+        choices=COMPILE_KINDS,
+        const="full",
+        negated=("none", "the same as --compile none"),
+    )
+    compile_backend: str = setting(
+        "inductor", "torch.compile backend (eager, aot_eager: quick CPU runs)", choices=COMPILE_BACKENDS
+    )
+    compile_mode: str = setting(
+        "default",
+        "torch.compile mode, inductor only; off CUDA, reduce-overhead runs as default and max-autotune as "
+        "max-autotune-no-cudagraphs (no CUDA graphs to capture)",
+        choices=COMPILE_MODES,
+    )
+    compile_cache: Path | None = setting(
+        None,
+        "keep torch's compiled artefacts (inductor, AOTAutograd) in DIR between starts, in a subfolder keyed by "
+        "model, dtype, rank, slot layers, quantization, compile settings, torch version and device (default: "
+        "torch's own temporary folder)",
+        parse=optional_path,
+        metavar="DIR",
+    )
+    quantize: str = setting(
+        "none",
+        "torchao storage of the denoiser's base linear weights (LoRA factors never): int8 weight-only (CPU and "
+        "CUDA) or fp8 (CUDA, compute capability 8.9+)",
+        choices=QUANTIZATIONS,
+    )
+    # A diffusers attention backend (pipeline/attention.py); None: the fastest installed on CUDA, native elsewhere.
+    attention: str | None = setting(
+        None,
+        "diffusers attention backend of the denoiser (diffusers' AttentionBackendName: native, flash, _flash_3, "
+        "flex, sage, xformers, ...); off CUDA the native one runs (default: the fastest installed on CUDA, "
+        "FlashAttention 3 on Hopper when installed, else native)",
+        parse=optional_text,
+        metavar="BACKEND",
+    )
+    allow_hub: bool = setting(False, "let adapter names fall back to Hugging Face Hub repo ids", switch=True)
     # Bases accepted beside the served one, for adapters that declare theirs (adapters/base_model.py).
-    allow_base: tuple[str, ...] = ()
-    strict_adapters: bool = False
-    max_adapter_bytes: int = DEFAULT_MAX_ADAPTER_BYTES
-    adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES
+    allow_base: tuple[str, ...] = setting(
+        (),
+        "comma-separated further base models (Hub ids, e.g. black-forest-labs/FLUX.1-schnell) whose adapters this "
+        "server accepts, beside those made for the model it serves",
+        parse=names,
+    )
+    strict_adapters: bool = setting(
+        False, "refuse adapters with text-encoder layers instead of dropping them", switch=True
+    )
+    max_adapter_bytes: int = setting(DEFAULT_MAX_ADAPTER_BYTES, "largest adapter file accepted", parse=int)
+    adapter_cache_bytes: int = setting(
+        DEFAULT_ADAPTER_CACHE_BYTES, "host-memory budget of the adapter cache (pinned adapters count)", parse=int
+    )
     # CUDA: device memory for a hot set of recently swapped adapters (adapters/device_cache.py); 0: none.
-    device_adapter_bytes: int = 0
-    preload: tuple[str, ...] = ()  # adapters loaded before the server turns SERVING
-    pin: tuple[str, ...] = ()  # adapters preloaded and kept out of LRU eviction (their bytes count in the budget)
-    max_queue: int = 64
-    max_bypass: int = 4  # times a waiting request may be passed over for one using the resident adapter
-    max_size: int = 2048
-    torch_threads: int | None = None  # None: the cores this process may use
-    warmup: bool = True
+    device_adapter_bytes: int = setting(
+        0,
+        "CUDA: device memory for the most recently swapped adapters, so that a swap between them is a copy within "
+        "the device; 0: none (off CUDA: always none)",
+        parse=int,
+    )
+    preload: tuple[str, ...] = setting(
+        (),
+        "comma-separated adapters to load before the server turns SERVING; start-up fails on one it cannot load",
+        parse=names,
+        metavar="NAME,...",
+    )
+    pin: tuple[str, ...] = setting(
+        (),
+        "comma-separated adapters to preload and keep out of LRU eviction (Evict refuses them)",
+        parse=names,
+        metavar="NAME,...",
+    )
+    max_queue: int = setting(64, "most requests that may wait", parse=int)
+    max_bypass: int = setting(4, "times a request may be passed over for one needing no swap (0: FIFO)", parse=int)
+    max_size: int = setting(2048, "largest width or height accepted", parse=int)
+    torch_threads: int | None = setting(None, "torch CPU threads (default: the cores this process may use)", parse=int)
+    warmup: bool = True  # not a setting: tests and benchmarks that only need the pipeline skip the warm-up
 
     def __post_init__(self) -> None:
-        # The old on/off switch (compile=True/False) names a kind; the kinds themselves are checked by the runtime.
+        """Normalise the compile kind, then refuse what the engine cannot run, in one line (SettingsError)."""
+        # The old on/off switch (compile=True/False) names a kind.
         object.__setattr__(self, "compile", normalize_compile(self.compile))
+        problem = compile_options_problem(self.compile, self.compile_mode, self.compile_backend)
+        if problem is not None:
+            raise SettingsError(problem)
+        if self.quantize != "none":
+            from loraswap.server.engine.pipeline.quantization import check_quantization  # imports torch
+
+            _one_line(check_quantization, self.quantize, self.device)
+        if self.device_adapter_bytes < 0:
+            raise SettingsError(
+                f"--device-adapter-bytes {self.device_adapter_bytes} is negative; give a byte budget, or 0 "
+                "for no adapters kept on the device"
+            )
+        if self.attention is not None:
+            from loraswap.server.engine.pipeline.attention import check_attention  # imports diffusers
+
+            _one_line(check_attention, self.attention, self.device)
+        _one_line(resolve_rank_buckets, self.rank_buckets, self.max_rank)
+
+
+def _one_line(check: Callable[..., object], *args: object) -> None:
+    """Run a check that raises ValueError with a one-line message, as a SettingsError."""
+    try:
+        check(*args)
+    except SettingsError:
+        raise
+    except ValueError as error:
+        raise SettingsError(str(error)) from None
