@@ -32,13 +32,13 @@ def test_the_applied_stack_goes_back_on_the_image():
         data=b"png", image_format=ImageFormat.PNG, width=8, height=8, seed=1, adapter="", adapter_scale=1.0,
         timings=Timings(), adapters=(StackedAdapter("b", 0.5), StackedAdapter("a", 1.0)),
     )  # fmt: skip
-    message = convert.image_to_pb(image)
+    message = convert.to_pb(image)
     assert [(applied.adapter, applied.scale, applied.HasField("scale")) for applied in message.adapters] == [
         ("b", 0.5, True),
         ("a", 1.0, True),  # the strength applied is always sent, 1.0 included
     ]
     assert message.adapter == ""
-    assert list(convert.image_to_pb(dataclasses.replace(image, adapters=())).adapters) == []
+    assert list(convert.to_pb(dataclasses.replace(image, adapters=())).adapters) == []
 
 
 def test_server_info_names_the_resident_stack_and_the_limit():
@@ -48,5 +48,5 @@ def test_server_info_names_the_resident_stack_and_the_limit():
         default_width=64, default_height=64, default_num_inference_steps=4, default_guidance_scale=3.5,
         resident_adapters=("a", "b"), max_stack=4,
     )  # fmt: skip
-    message = convert.server_description_to_pb(info)
+    message = convert.to_pb(info)
     assert (list(message.resident_adapters), message.max_stack, message.resident_adapter) == (["a", "b"], 4, "")

@@ -9,8 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from loraswap.v1 import diffusion_service_pb2 as pb
 
@@ -29,6 +34,8 @@ __all__ = [
     "event_from_pb",
 ]
 
+_Record = TypeVar("_Record")
+
 
 @dataclass(frozen=True, slots=True)
 class Queued:
@@ -44,7 +51,7 @@ class Queued:
     @classmethod
     def from_pb(cls, message: pb.Queued) -> Queued:
         """Converts a ``loraswap.v1.Queued`` message."""
-        return cls(position=message.position, loading_adapter=message.loading_adapter)
+        return _from_message(cls, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +73,7 @@ class Progress:
     @classmethod
     def from_pb(cls, message: pb.Progress) -> Progress:
         """Converts a ``loraswap.v1.Progress`` message."""
-        return cls(
-            step=message.step,
-            total_steps=message.total_steps,
-            elapsed_ms=message.elapsed_ms,
-            preview=message.preview,
-            preview_mime_type=message.preview_mime_type,
-        )
+        return _from_message(cls, message)
 
     @property
     def preview_extension(self) -> str:
@@ -94,14 +95,7 @@ class Timings:
     @classmethod
     def from_pb(cls, message: pb.Timings) -> Timings:
         """Converts a ``loraswap.v1.Timings`` message."""
-        return cls(
-            queue_ms=message.queue_ms,
-            adapter_load_ms=message.adapter_load_ms,
-            adapter_swap_ms=message.adapter_swap_ms,
-            denoise_ms=message.denoise_ms,
-            decode_ms=message.decode_ms,
-            total_ms=message.total_ms,
-        )
+        return _from_message(cls, message)
 
 
 def _float32_as_written(value: float) -> float:
@@ -130,10 +124,7 @@ class StackedAdapter:
     @classmethod
     def from_pb(cls, message: pb.StackedAdapter) -> StackedAdapter:
         """Converts a ``loraswap.v1.StackedAdapter`` message (unset ``scale``: None)."""
-        return cls(
-            adapter=message.adapter,
-            scale=_float32_as_written(message.scale) if message.HasField("scale") else None,
-        )
+        return _from_message(cls, message)
 
 
 _EXTENSION_BY_MIME_TYPE = {"image/png": "png", "image/jpeg": "jpg", "image/webp": "webp"}
@@ -160,18 +151,7 @@ class GeneratedImage:
     @classmethod
     def from_pb(cls, message: pb.Image) -> GeneratedImage:
         """Converts a ``loraswap.v1.Image`` message."""
-        return cls(
-            data=message.data,
-            mime_type=message.mime_type,
-            width=message.width,
-            height=message.height,
-            seed=message.seed,
-            adapter=message.adapter,
-            adapter_scale=_float32_as_written(message.adapter_scale),
-            timings=Timings.from_pb(message.timings),
-            warnings=tuple(message.warnings),
-            adapters=tuple(StackedAdapter.from_pb(applied) for applied in message.adapters),
-        )
+        return _from_message(cls, message)
 
     @property
     def extension(self) -> str:
@@ -248,19 +228,7 @@ class AdapterInfo:
     @classmethod
     def from_pb(cls, message: pb.AdapterInfo) -> AdapterInfo:
         """Converts a ``loraswap.v1.AdapterInfo`` message (its ``bytes`` becomes ``size_bytes``)."""
-        return cls(
-            id=message.id,
-            rank=message.rank,
-            target_layers=tuple(message.target_layers),
-            size_bytes=message.bytes,
-            source=message.source,
-            hits=message.hits,
-            last_used_unix_ms=message.last_used_unix_ms,
-            resident=message.resident,
-            load_ms=message.load_ms,
-            warnings=tuple(message.warnings),
-            pinned=message.pinned,
-        )
+        return _from_message(cls, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +241,7 @@ class PreloadResult:
     @classmethod
     def from_pb(cls, message: pb.PreloadAdapterResponse) -> PreloadResult:
         """Converts a ``loraswap.v1.PreloadAdapterResponse`` message."""
-        return cls(adapter=AdapterInfo.from_pb(message.adapter), already_cached=message.already_cached)
+        return _from_message(cls, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,29 +308,75 @@ class ServerInfo:
     max_stack: int = 0  # most adapters one request may stack; 0 from a server without stacks
     rank_buckets: tuple[int, ...] = ()  # the ranks the slot computes at (a request pays its bucket); () if unsaid
     compile_mode: str = ""  # "full/default", "regional/max-autotune", "none"; "" from a server that does not say
+    base_model: str = ""  # the served base, in the vocabulary adapters declare theirs (a Hub repo id)
+    quantization: str = ""  # none, int8wo or fp8: how the denoiser's base linear weights are stored
+    denoiser_weight_bytes: int = 0  # the denoiser's weights as stored
+    attention_backend: str = ""  # the diffusers attention backend the denoiser runs, e.g. native
+    pinned_adapter_memory: bool = False  # cached adapters in pinned host memory (CUDA only)
+    device_adapter_bytes: int = 0  # device memory for a hot set of adapters; 0 when none
 
     @classmethod
     def from_pb(cls, message: pb.GetServerInfoResponse) -> ServerInfo:
         """Converts a ``loraswap.v1.GetServerInfoResponse`` message."""
-        return cls(
-            model=message.model,
-            family=_family_name(message.family),
-            dtype=message.dtype,
-            device=message.device,
-            max_rank=message.max_rank,
-            target_layers=tuple(message.target_layers),
-            compiled=message.compiled,
-            recompilations=message.recompilations,
-            resident_adapter=message.resident_adapter,
-            size_multiple=message.size_multiple,
-            min_size=message.min_size,
-            max_size=message.max_size,
-            default_width=message.default_width,
-            default_height=message.default_height,
-            default_num_inference_steps=message.default_num_inference_steps,
-            default_guidance_scale=_float32_as_written(message.default_guidance_scale),
-            resident_adapters=tuple(message.resident_adapters),
-            max_stack=message.max_stack,
-            rank_buckets=tuple(message.rank_buckets),
-            compile_mode=message.compile_mode,
-        )
+        return _from_message(cls, message)
+
+
+# -- the wire records, field by field ------------------------------------------------------------------
+#
+# Each class above converts from its message by field name; what is spelled or typed differently on the wire
+# is in the two tables below. Proto `float` fields are float32 and come back as the decimal that was sent
+# (_float32_as_written); an unset `optional` field is None; repeated fields become tuples; a nested message
+# becomes the class registered for it. tests/client/test_field_maps.py fails when a reply field is missed.
+
+# The message each class is converted from (full proto name -> class), for nested messages too.
+CLASS_FOR_MESSAGE: dict[str, type] = {
+    message.DESCRIPTOR.full_name: cls
+    for message, cls in (
+        (pb.Queued, Queued),
+        (pb.Progress, Progress),
+        (pb.Timings, Timings),
+        (pb.StackedAdapter, StackedAdapter),
+        (pb.Image, GeneratedImage),
+        (pb.AdapterInfo, AdapterInfo),
+        (pb.PreloadAdapterResponse, PreloadResult),
+        (pb.GetServerInfoResponse, ServerInfo),
+    )
+}
+# Fields whose wire name differs: (class, field) -> the message's field name.
+WIRE_NAMES: dict[tuple[type, str], str] = {(AdapterInfo, "size_bytes"): "bytes"}
+# Fields whose wire value needs more than its type's rule: (class, field) -> how to read it.
+WIRE_VALUES: dict[tuple[type, str], Callable[[Any], object]] = {(ServerInfo, "family"): _family_name}
+
+
+def _from_message(cls: type[_Record], message: Message) -> _Record:
+    """An instance of `cls` from `message`, field by field (see the tables above)."""
+    values = {}
+    for item in dataclasses.fields(cls):
+        wire_name = WIRE_NAMES.get((cls, item.name), item.name)
+        descriptor = message.DESCRIPTOR.fields_by_name[wire_name]
+        read = WIRE_VALUES.get((cls, item.name))
+        if read is not None:
+            values[item.name] = read(getattr(message, wire_name))
+        elif is_repeated(descriptor):
+            values[item.name] = tuple(_wire_value(descriptor, element) for element in getattr(message, wire_name))
+        elif descriptor.message_type is None and descriptor.has_presence and not message.HasField(wire_name):
+            values[item.name] = None
+        else:
+            values[item.name] = _wire_value(descriptor, getattr(message, wire_name))
+    return cls(**values)
+
+
+def is_repeated(descriptor: FieldDescriptor) -> bool:
+    """Whether a field is repeated, on protobuf runtimes before and after `label` gave way to `is_repeated`."""
+    if hasattr(descriptor, "is_repeated"):
+        return descriptor.is_repeated
+    return descriptor.label == FieldDescriptor.LABEL_REPEATED
+
+
+def _wire_value(descriptor: FieldDescriptor, value: object) -> object:
+    """One value of a field as this client holds it."""
+    if descriptor.message_type is not None:
+        return _from_message(CLASS_FOR_MESSAGE[descriptor.message_type.full_name], value)
+    if descriptor.type == FieldDescriptor.TYPE_FLOAT:
+        return _float32_as_written(value)
+    return value

@@ -5,8 +5,13 @@ from __future__ import annotations
 import base64
 import re
 import secrets
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf.message import Message
 
 from loraswap.client.connection import LORA_METADATA_KEY
+from loraswap.client.events import is_repeated
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,
@@ -20,6 +25,7 @@ from loraswap.server.engine.types import (
     ServerDescription,
     StackedAdapter,
     StepProgress,
+    Timings,
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
 
@@ -116,22 +122,52 @@ def adapter_with_lora_metadata(adapter: str, names: tuple[str, ...]) -> str:
     return names[0]
 
 
+# -- replies: domain records written as their messages, field by field -----------------------------------
+
+# The message each domain record is written as.
+MESSAGE_FOR_RECORD: dict[type, type[Message]] = {
+    Queued: pb.Queued,
+    StepProgress: pb.Progress,
+    Timings: pb.Timings,
+    StackedAdapter: pb.StackedAdapter,
+    GeneratedImage: pb.Image,
+    AdapterSummary: pb.AdapterInfo,
+    PreloadResult: pb.PreloadAdapterResponse,
+    ServerDescription: pb.GetServerInfoResponse,
+}
+# Wire fields that are no field of the record by the same name: (record, wire field) -> how to compute it.
+WIRE_VALUES: dict[tuple[type, str], Callable[[Any], object]] = {
+    (GeneratedImage, "mime_type"): lambda image: image.image_format.mime_type,
+    (ServerDescription, "family"): lambda info: _FAMILY_TO_PB.get(info.family, pb.MODEL_FAMILY_UNSPECIFIED),
+}
+
+
+def to_pb(record: object) -> Message:
+    """A domain record as its message (MESSAGE_FOR_RECORD): each wire field from the record's field of that name,
+    or as WIRE_VALUES computes it; None leaves an `optional` field unset; nested records become their messages."""
+    message_class = MESSAGE_FOR_RECORD[type(record)]
+    values = {}
+    for descriptor in message_class.DESCRIPTOR.fields:
+        compute = WIRE_VALUES.get((type(record), descriptor.name))
+        value = compute(record) if compute is not None else getattr(record, descriptor.name)
+        if value is None:
+            continue
+        if descriptor.message_type is not None:
+            value = [to_pb(item) for item in value] if is_repeated(descriptor) else to_pb(value)
+        elif is_repeated(descriptor):
+            value = list(value)
+        values[descriptor.name] = value
+    return message_class(**values)
+
+
 def generation_event_to_pb(event: GenerationEvent) -> pb.GenerateResponse:
     """A domain event -> one GenerateResponse (an image whole, however large; streams use generate_responses)."""
     if isinstance(event, Queued):
-        return pb.GenerateResponse(queued=pb.Queued(position=event.position, loading_adapter=event.loading_adapter))
+        return pb.GenerateResponse(queued=to_pb(event))
     if isinstance(event, StepProgress):
-        return pb.GenerateResponse(
-            progress=pb.Progress(
-                step=event.step,
-                total_steps=event.total_steps,
-                elapsed_ms=event.elapsed_ms,
-                preview=event.preview,
-                preview_mime_type=event.preview_mime_type,
-            )
-        )
+        return pb.GenerateResponse(progress=to_pb(event))
     if isinstance(event, GeneratedImage):
-        return pb.GenerateResponse(image=image_to_pb(event))
+        return pb.GenerateResponse(image=to_pb(event))
     raise TypeError(f"not a generation event: {event!r}")
 
 
@@ -144,7 +180,7 @@ def generate_responses(event: GenerationEvent) -> list[pb.GenerateResponse]:
     """
     if not isinstance(event, GeneratedImage):
         return [generation_event_to_pb(event)]
-    image = image_to_pb(event)
+    image = to_pb(event)
     if pb.GenerateResponse(image=image).ByteSize() <= MAX_GENERATE_RESPONSE_BYTES:
         return [pb.GenerateResponse(image=image)]
     data = image.data
@@ -156,49 +192,6 @@ def generate_responses(event: GenerationEvent) -> list[pb.GenerateResponse]:
     return [pb.GenerateResponse(image_chunk=pb.ImageChunk(data=piece)) for piece in pieces] + [
         pb.GenerateResponse(image=image)
     ]
-
-
-def image_to_pb(image: GeneratedImage) -> pb.Image:
-    timings = image.timings
-    return pb.Image(
-        data=image.data,
-        mime_type=image.image_format.mime_type,
-        width=image.width,
-        height=image.height,
-        seed=image.seed,
-        adapter=image.adapter,
-        adapter_scale=image.adapter_scale,
-        timings=pb.Timings(
-            queue_ms=timings.queue_ms,
-            adapter_load_ms=timings.adapter_load_ms,
-            adapter_swap_ms=timings.adapter_swap_ms,
-            denoise_ms=timings.denoise_ms,
-            decode_ms=timings.decode_ms,
-            total_ms=timings.total_ms,
-        ),
-        warnings=list(image.warnings),
-        adapters=[pb.StackedAdapter(adapter=applied.adapter, scale=applied.scale) for applied in image.adapters],
-    )
-
-
-def adapter_to_pb(adapter: AdapterSummary) -> pb.AdapterInfo:
-    return pb.AdapterInfo(
-        id=adapter.id,
-        rank=adapter.rank,
-        target_layers=list(adapter.target_layers),
-        bytes=adapter.bytes,
-        source=adapter.source,
-        hits=adapter.hits,
-        last_used_unix_ms=adapter.last_used_unix_ms,
-        resident=adapter.resident,
-        load_ms=adapter.load_ms,
-        warnings=list(adapter.warnings),
-        pinned=adapter.pinned,
-    )
-
-
-def preload_to_pb(result: PreloadResult) -> pb.PreloadAdapterResponse:
-    return pb.PreloadAdapterResponse(adapter=adapter_to_pb(result.adapter), already_cached=result.already_cached)
 
 
 # ListAdapters pages. Their adapters take at most this many bytes: the 4 MiB any response may be
@@ -229,7 +222,7 @@ def adapter_page_to_pb(summary: AdapterCacheSummary, page_size: int, page_token:
     page_bytes = 0
     end = start
     for adapter in summary.adapters[start:stop]:
-        info = adapter_to_pb(adapter)
+        info = to_pb(adapter)
         info_bytes = info.ByteSize() + 8  # with its field tag and length prefix
         if response.adapters and page_bytes + info_bytes > ADAPTER_PAGE_BYTES:
             break
@@ -258,34 +251,3 @@ def _page_offset(page_token: str) -> int:
             field="page_token",
         )
     return int(match.group(2))
-
-
-def server_description_to_pb(info: ServerDescription) -> pb.GetServerInfoResponse:
-    return pb.GetServerInfoResponse(
-        model=info.model,
-        family=_FAMILY_TO_PB.get(info.family, pb.MODEL_FAMILY_UNSPECIFIED),
-        dtype=info.dtype,
-        device=info.device,
-        max_rank=info.max_rank,
-        target_layers=list(info.target_layers),
-        compiled=info.compiled,
-        recompilations=info.recompilations,
-        resident_adapter=info.resident_adapter,
-        size_multiple=info.size_multiple,
-        min_size=info.min_size,
-        max_size=info.max_size,
-        default_width=info.default_width,
-        default_height=info.default_height,
-        default_num_inference_steps=info.default_num_inference_steps,
-        default_guidance_scale=info.default_guidance_scale,
-        resident_adapters=list(info.resident_adapters),
-        max_stack=info.max_stack,
-        base_model=info.base_model,
-        quantization=info.quantization,
-        denoiser_weight_bytes=info.denoiser_weight_bytes,
-        attention_backend=info.attention_backend,
-        pinned_adapter_memory=info.pinned_adapter_memory,
-        device_adapter_bytes=info.device_adapter_bytes,
-        compile_mode=info.compile_mode,
-        rank_buckets=list(info.rank_buckets),
-    )

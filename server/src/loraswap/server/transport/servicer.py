@@ -154,7 +154,7 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
     async def PreloadAdapter(
         self, request: pb.PreloadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreloadAdapterResponse:
-        return convert.preload_to_pb(await self.engine.preload(_adapter_named(request.adapter, context)))
+        return convert.to_pb(await self.engine.preload(_adapter_named(request.adapter, context)))
 
     @_errors_mapped
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
@@ -170,4 +170,4 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetServerInfoResponse:
-        return convert.server_description_to_pb(self.engine.describe())
+        return convert.to_pb(self.engine.describe())
