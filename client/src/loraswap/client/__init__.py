@@ -6,7 +6,7 @@
 ...     image.save("lighthouse.png")
 """
 
-from loraswap.client.aio import USE_DEFAULT_TIMEOUT, AdapterStack, AsyncLoraswapClient, ImageFormat
+from loraswap.client.aio import USE_DEFAULT_TIMEOUT, AdapterStack, AsyncLoraswapClient, GenerateOptions, ImageFormat
 from loraswap.client.connection import TlsConfig
 from loraswap.client.errors import (
     Cancelled,
@@ -49,6 +49,7 @@ __all__ = [
     "Event",
     "FailedPrecondition",
     "FieldViolation",
+    "GenerateOptions",
     "GeneratedImage",
     "ImageFormat",
     "InternalError",

@@ -6,7 +6,7 @@ import asyncio
 import enum
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import grpc
 
@@ -25,11 +25,16 @@ from loraswap.client.events import (
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11+; annotations only, so 3.10 runs without it
+
 __all__ = [
     "DEFAULT_TARGET",
     "USE_DEFAULT_TIMEOUT",
     "AdapterStack",
     "AsyncLoraswapClient",
+    "GenerateOptions",
+    "ImageCollector",
     "ImageFormat",
     "Timeout",
     "build_generate_request",
@@ -63,57 +68,81 @@ AdapterStack = Sequence[str | tuple[str, float | None] | StackedAdapter]
 _Result = TypeVar("_Result")
 
 
-def build_generate_request(
-    prompt: str,
-    *,
-    adapter: str = "",
-    adapter_scale: float | None = None,
-    num_inference_steps: int | None = None,
-    guidance_scale: float | None = None,
-    width: int | None = None,
-    height: int | None = None,
-    seed: int | None = None,
-    negative_prompt: str = "",
-    image_format: ImageFormat = "png",
-    adapters: AdapterStack = (),
-    preview_every: int = 0,
-) -> pb.GenerateRequest:
-    """Builds a GenerateRequest; arguments left as None stay unset so the server applies its defaults.
+class GenerateOptions(TypedDict, total=False):
+    """The keywords of one generation, taken alike by ``generate``, ``generate_image`` (both clients) and
+    :func:`build_generate_request`. Each may be left out; those left out (or None) are not sent, so the
+    server's defaults apply.
 
-    ``adapters`` stacks several adapters, each at its own strength, e.g.
-    ``[("ink", 0.8), ("paper", 0.5)]``; the server refuses it together with
-    ``adapter`` or ``adapter_scale``. ``preview_every`` N > 0 asks for a preview picture in the
-    ``Progress`` event of every N-th step and of the last (0: none).
+    - ``adapter`` (str): one LoRA adapter to apply; "" or left out: the base model.
+    - ``adapter_scale`` (float): the strength of ``adapter`` (server default 1.0).
+    - ``adapters`` (:data:`AdapterStack`): several adapters stacked, each at its own strength, e.g.
+      ``[("ink", 0.8), ("paper", 0.5)]``; the server refuses it together with ``adapter`` or ``adapter_scale``.
+    - ``num_inference_steps`` (int), ``guidance_scale`` (float), ``width`` and ``height`` (int, pixels).
+    - ``seed`` (int): the noise seed; left out, the server picks one (the image says which).
+    - ``negative_prompt`` (str): what the image should not show (models with classifier-free guidance).
+    - ``image_format`` ("png", "jpeg" or "webp"; default "png").
+    - ``preview_every`` (int): N > 0 puts a small preview picture in the ``Progress`` event of every N-th step
+      and of the last (0: none).
+    """
+
+    adapter: str
+    adapter_scale: float | None
+    num_inference_steps: int | None
+    guidance_scale: float | None
+    width: int | None
+    height: int | None
+    seed: int | None
+    negative_prompt: str
+    image_format: ImageFormat
+    adapters: AdapterStack
+    preview_every: int
+
+
+GENERATE_KEYWORDS = GenerateOptions.__optional_keys__ | GenerateOptions.__required_keys__
+
+_Function = TypeVar("_Function", bound=Callable)
+
+
+def takes_generate_options(function: _Function) -> _Function:
+    """Lists the GenerateOptions keywords, with their types, at the end of `function`'s docstring, so that
+    ``help()`` shows every keyword that ``**options`` stands for (editors read ``Unpack[GenerateOptions]``)."""
+    # Annotations stay text (from __future__ import annotations); TypedDict keeps them as ForwardRefs.
+    keywords = ", ".join(
+        f"{name}: {getattr(kind, '__forward_arg__', kind)}" for name, kind in GenerateOptions.__annotations__.items()
+    )
+    function.__doc__ = f"{function.__doc__ or ''}\n\n        Keywords (GenerateOptions): {keywords}.\n"
+    return function
+
+
+@takes_generate_options
+def build_generate_request(prompt: str, **options: Unpack[GenerateOptions]) -> pb.GenerateRequest:
+    """Builds a GenerateRequest from the :class:`GenerateOptions` keywords; those left out or None stay unset so
+    the server applies its defaults.
 
     Raises:
+        TypeError: a keyword that is not one of GenerateOptions.
         InvalidRequest: an argument cannot be encoded (unknown image format,
             negative seed, a number out of its field's range, an adapters
             entry that is not a name, a (name, strength) pair or a StackedAdapter).
     """
-    encoded_format = _IMAGE_FORMAT_BY_NAME.get(image_format.lower())
+    unknown = sorted(set(options) - GENERATE_KEYWORDS)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}; the generate keywords are GenerateOptions'")
+    image_format = options.pop("image_format", None) or "png"
+    encoded_format = _IMAGE_FORMAT_BY_NAME.get(image_format.lower()) if isinstance(image_format, str) else None
     if encoded_format is None:
         raise InvalidRequest(
             f"unknown image format {image_format!r}; use one of png, jpeg, webp",
         )
-    optional_fields: dict[str, Any] = {
-        "adapter_scale": adapter_scale,
-        "num_inference_steps": num_inference_steps,
-        "guidance_scale": guidance_scale,
-        "width": width,
-        "height": height,
-        "seed": seed,
-    }
+    adapters = options.pop("adapters", None) or ()
     if isinstance(adapters, str):
         raise InvalidRequest(f"adapters must be a list of adapters, not the string {adapters!r}")
     try:
         return pb.GenerateRequest(
             prompt=prompt,
-            negative_prompt=negative_prompt,
-            adapter=adapter,
             adapters=[_stacked_adapter_pb(entry) for entry in adapters],
             image_format=encoded_format,
-            preview_every=preview_every,
-            **{name: value for name, value in optional_fields.items() if value is not None},
+            **{name: value for name, value in options.items() if value is not None},
         )
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"cannot encode the request: {exc}") from exc
@@ -200,31 +229,15 @@ class AsyncLoraswapClient:
     def _deadline(self, timeout: Timeout) -> float | None:
         return self.default_timeout if timeout is USE_DEFAULT_TIMEOUT else timeout
 
+    @takes_generate_options
     async def generate(
-        self,
-        prompt: str,
-        *,
-        adapter: str = "",
-        adapter_scale: float | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        width: int | None = None,
-        height: int | None = None,
-        seed: int | None = None,
-        negative_prompt: str = "",
-        image_format: ImageFormat = "png",
-        adapters: AdapterStack = (),
-        preview_every: int = 0,
-        timeout: Timeout = USE_DEFAULT_TIMEOUT,
+        self, prompt: str, *, timeout: Timeout = USE_DEFAULT_TIMEOUT, **options: Unpack[GenerateOptions]
     ) -> AsyncGenerator[Event, None]:
         """Generates one image, yielding ``Queued`` and ``Progress`` events as they arrive, then the ``GeneratedImage``.
 
-        Arguments left as None are not sent, so the server's defaults apply.
-        ``adapter`` (with ``adapter_scale``) applies one adapter; ``adapters``
-        stacks several, each at its own strength, e.g.
-        ``adapters=[("ink", 0.8), ("paper", 0.5)]`` (not both).
-        ``preview_every=N`` puts a small preview picture in the ``Progress`` event of
-        every N-th step and of the last (``Progress.preview``).
+        ``options`` are the :class:`GenerateOptions` keywords (adapter, adapter_scale, adapters,
+        num_inference_steps, guidance_scale, width, height, seed, negative_prompt, image_format,
+        preview_every); those left out are not sent, so the server's defaults apply.
         Leaving the loop early (``break``) or cancelling the consuming task
         cancels the RPC, which stops the generation on the server; wrap the
         iterator in ``contextlib.aclosing`` to make that happen at the
@@ -233,20 +246,7 @@ class AsyncLoraswapClient:
         Raises:
             LoraswapError: the call failed; the subclass says how.
         """
-        request = build_generate_request(
-            prompt,
-            adapter=adapter,
-            adapter_scale=adapter_scale,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            width=width,
-            height=height,
-            seed=seed,
-            negative_prompt=negative_prompt,
-            image_format=image_format,
-            adapters=adapters,
-            preview_every=preview_every,
-        )
+        request = build_generate_request(prompt, **options)
         deadline = _Deadline(self._deadline(timeout))
         while True:
             call = self._service().Generate(
@@ -275,57 +275,28 @@ class AsyncLoraswapClient:
                 # away or was cancelled, and the server should stop working.
                 call.cancel()
 
+    @takes_generate_options
     async def generate_image(
         self,
         prompt: str,
         *,
         on_progress: Callable[[Progress], object] | None = None,
-        adapter: str = "",
-        adapter_scale: float | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        width: int | None = None,
-        height: int | None = None,
-        seed: int | None = None,
-        negative_prompt: str = "",
-        image_format: ImageFormat = "png",
-        adapters: AdapterStack = (),
-        preview_every: int = 0,
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
+        **options: Unpack[GenerateOptions],
     ) -> GeneratedImage:
         """Generates one image and returns it, calling ``on_progress`` with each completed step.
 
-        Takes the same arguments as :meth:`generate`.
+        Takes the same :class:`GenerateOptions` keywords as :meth:`generate`.
 
         Raises:
             LoraswapError: the call failed, or the stream ended without an image.
         """
-        events = self.generate(
-            prompt,
-            adapter=adapter,
-            adapter_scale=adapter_scale,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            width=width,
-            height=height,
-            seed=seed,
-            negative_prompt=negative_prompt,
-            image_format=image_format,
-            adapters=adapters,
-            preview_every=preview_every,
-            timeout=timeout,
-        )
-        image: GeneratedImage | None = None
+        collector = ImageCollector(on_progress)
         # Read to the end of the stream, not just to the image, so that the
         # call finishes with the server's status instead of being cancelled.
-        async for event in events:
-            if isinstance(event, GeneratedImage):
-                image = event
-            elif isinstance(event, Progress) and on_progress is not None:
-                on_progress(event)
-        if image is None:
-            raise missing_image_error()
-        return image
+        async for event in self.generate(prompt, timeout=timeout, **options):
+            collector.add(event)
+        return collector.image()
 
     async def preload_adapter(self, name: str, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> PreloadResult:
         """Makes the server fetch, validate and cache adapter ``name`` so its first use pays no load.
@@ -455,6 +426,27 @@ class _Deadline:
 
     def remaining(self) -> float | None:
         return None if self._ends_at is None else max(0.0, self._ends_at - time.monotonic())
+
+
+class ImageCollector:
+    """What ``generate_image`` keeps of a stream's events, in either client: the image, each step passed on."""
+
+    def __init__(self, on_progress: Callable[[Progress], object] | None = None) -> None:
+        self._on_progress = on_progress
+        self._image: GeneratedImage | None = None
+
+    def add(self, event: Event) -> None:
+        """Takes one event of the stream."""
+        if isinstance(event, GeneratedImage):
+            self._image = event
+        elif isinstance(event, Progress) and self._on_progress is not None:
+            self._on_progress(event)
+
+    def image(self) -> GeneratedImage:
+        """The stream's image; raises missing_image_error() when the stream ended without one."""
+        if self._image is None:
+            raise missing_image_error()
+        return self._image
 
 
 def missing_image_error() -> LoraswapError:

@@ -11,21 +11,24 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from loraswap.client.aio import (
     DEFAULT_TARGET,
     USE_DEFAULT_TIMEOUT,
-    AdapterStack,
     AsyncLoraswapClient,
-    ImageFormat,
+    GenerateOptions,
+    ImageCollector,
     Timeout,
-    missing_image_error,
+    takes_generate_options,
 )
 from loraswap.client.connection import TlsConfig
 from loraswap.client.events import AdapterList, Event, GeneratedImage, PreloadResult, Progress, ServerInfo
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11+; annotations only, so 3.10 runs without it
 
 __all__ = ["LoraswapClient"]
 
@@ -118,28 +121,15 @@ class LoraswapClient:
             future.cancel()
             raise
 
+    @takes_generate_options
     def generate(
-        self,
-        prompt: str,
-        *,
-        adapter: str = "",
-        adapter_scale: float | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        width: int | None = None,
-        height: int | None = None,
-        seed: int | None = None,
-        negative_prompt: str = "",
-        image_format: ImageFormat = "png",
-        adapters: AdapterStack = (),
-        preview_every: int = 0,
-        timeout: Timeout = USE_DEFAULT_TIMEOUT,
+        self, prompt: str, *, timeout: Timeout = USE_DEFAULT_TIMEOUT, **options: Unpack[GenerateOptions]
     ) -> Iterator[Event]:
         """Generates one image, yielding ``Queued`` and ``Progress`` events as they arrive, then the ``GeneratedImage``.
 
-        Arguments left as None are not sent, so the server's defaults apply.
-        ``adapters`` stacks several adapters, each at its own strength, e.g.
-        ``adapters=[("ink", 0.8), ("paper", 0.5)]`` (not with ``adapter``).
+        ``options`` are the :class:`~loraswap.client.aio.GenerateOptions` keywords (adapter, adapter_scale,
+        adapters, num_inference_steps, guidance_scale, width, height, seed, negative_prompt, image_format,
+        preview_every); those left out are not sent, so the server's defaults apply.
         Leaving the loop early (``break``, an exception, Ctrl-C) cancels the RPC.
 
         Raises:
@@ -151,21 +141,7 @@ class LoraswapClient:
         events: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
 
         async def forward_events() -> None:
-            stream = self._async_client.generate(
-                prompt,
-                adapter=adapter,
-                adapter_scale=adapter_scale,
-                num_inference_steps=num_inference_steps,
-                guidance_scale=guidance_scale,
-                width=width,
-                height=height,
-                seed=seed,
-                negative_prompt=negative_prompt,
-                image_format=image_format,
-                adapters=adapters,
-                preview_every=preview_every,
-                timeout=timeout,
-            )
+            stream = self._async_client.generate(prompt, timeout=timeout, **options)
             async with contextlib.aclosing(stream):
                 async for event in stream:
                     events.put(event)
@@ -182,52 +158,26 @@ class LoraswapClient:
             # early and the RPC on the loop must stop too.
             forwarding.cancel()
 
+    @takes_generate_options
     def generate_image(
         self,
         prompt: str,
         *,
         on_progress: Callable[[Progress], object] | None = None,
-        adapter: str = "",
-        adapter_scale: float | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        width: int | None = None,
-        height: int | None = None,
-        seed: int | None = None,
-        negative_prompt: str = "",
-        image_format: ImageFormat = "png",
-        adapters: AdapterStack = (),
-        preview_every: int = 0,
         timeout: Timeout = USE_DEFAULT_TIMEOUT,
+        **options: Unpack[GenerateOptions],
     ) -> GeneratedImage:
         """Generates one image and returns it, calling ``on_progress`` (in this thread) with each completed step.
+
+        Takes the same :class:`~loraswap.client.aio.GenerateOptions` keywords as :meth:`generate`.
 
         Raises:
             LoraswapError: the call failed, or the stream ended without an image.
         """
-        image: GeneratedImage | None = None
-        for event in self.generate(
-            prompt,
-            adapter=adapter,
-            adapter_scale=adapter_scale,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            width=width,
-            height=height,
-            seed=seed,
-            negative_prompt=negative_prompt,
-            image_format=image_format,
-            adapters=adapters,
-            preview_every=preview_every,
-            timeout=timeout,
-        ):
-            if isinstance(event, GeneratedImage):
-                image = event
-            elif isinstance(event, Progress) and on_progress is not None:
-                on_progress(event)
-        if image is None:
-            raise missing_image_error()
-        return image
+        collector = ImageCollector(on_progress)
+        for event in self.generate(prompt, timeout=timeout, **options):
+            collector.add(event)
+        return collector.image()
 
     def preload_adapter(self, name: str, *, timeout: Timeout = USE_DEFAULT_TIMEOUT) -> PreloadResult:
         """Makes the server fetch, validate and cache adapter ``name``; idempotent."""
