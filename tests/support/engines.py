@@ -13,6 +13,7 @@ import numpy as np
 from PIL import Image
 
 from loraswap.server.engine.errors import AdapterNotFoundError
+from loraswap.server.engine.observer import EngineGauges
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     GeneratedImage,
@@ -20,6 +21,7 @@ from loraswap.server.engine.types import (
     GenerationRequest,
     ImageFormat,
     ModelFamily,
+    PreloadResult,
     ServerDescription,
     StepProgress,
     Timings,
@@ -45,7 +47,8 @@ def finished_image(data: bytes, request: GenerationRequest, width: int, height: 
 
 
 class ScriptedEngine:
-    """Stands in for DiffusionEngine: starts at once, and each Generate runs `script(request)`."""
+    """An Engine (loraswap.server.engine.interface) standing in for DiffusionEngine: starts at once, and each
+    Generate runs `script(request)`. tests/unit/test_engine_interface.py holds it to the Engine's signatures."""
 
     def __init__(self, script: GenerationScript) -> None:
         self.script = script
@@ -70,7 +73,7 @@ class ScriptedEngine:
         async for event in self.script(request):
             yield event
 
-    async def preload(self, name: str):
+    async def preload(self, name: str) -> PreloadResult:
         raise AdapterNotFoundError(f"the scripted engine has no adapter {name!r}")
 
     def evict(self, name: str) -> int:
@@ -78,6 +81,9 @@ class ScriptedEngine:
 
     def list_adapters(self) -> AdapterCacheSummary:
         return AdapterCacheSummary(adapters=(), cache_bytes=0, cache_budget_bytes=0)
+
+    def gauges(self) -> EngineGauges:
+        return EngineGauges(queue_depth=0, cache_bytes=0, cache_entries=0, recompilations=0, swaps=0)
 
     def describe(self) -> ServerDescription:
         return ServerDescription(

@@ -15,6 +15,7 @@ from loraswap.client.connection import server_keepalive_options
 from loraswap.server.access import AccessTokens
 from loraswap.server.config import Settings, SettingsError
 from loraswap.server.engine.diffusion_engine import DiffusionEngine
+from loraswap.server.engine.interface import Engine
 from loraswap.server.observability.observers import ServerObservers
 from loraswap.server.transport.call_watch import CallWatchInterceptor
 from loraswap.server.transport.server_credentials import ReloadableServerCredentials
@@ -40,7 +41,7 @@ class RunningServer:
     """A started server: its port, and the parts that stop it."""
 
     server: grpc.aio.Server
-    engine: DiffusionEngine
+    engine: Engine
     health: health.aio.HealthServicer
     port: int
     warming: asyncio.Future | None = None  # set when start_server did not wait for SERVING
@@ -78,11 +79,11 @@ class RunningServer:
 
 
 async def start_server(
-    settings: Settings, *, wait_until_serving: bool = True, engine: DiffusionEngine | None = None
+    settings: Settings, *, wait_until_serving: bool = True, engine: Engine | None = None
 ) -> RunningServer:
     """Listen at once (health NOT_SERVING), then load and warm the model and turn SERVING.
 
-    `engine` serves in place of one built from `settings.engine` (tests pass doubles).
+    `engine` serves in place of the DiffusionEngine built from `settings.engine` (tests pass doubles).
 
     Raises:
         SettingsError: a TLS file or the token file is unreadable or unusable, or --otlp-endpoint is given

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from loraswap.server.config import Settings
+from loraswap.server.engine.interface import Engine
 from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver
 from loraswap.server.engine.types import ServerDescription
 from loraswap.server.observability import server_version
@@ -39,9 +40,9 @@ class ServerObservers:
         """What the engine should report its events to."""
         return self.metrics.engine_observer if self.metrics is not None else NO_OBSERVER
 
-    def watch_engine(self, engine) -> None:
-        """Read the engine's levels at each scrape (engines without `gauges()`, such as test doubles, have none)."""
-        if self.metrics is not None and hasattr(engine, "gauges"):
+    def watch_engine(self, engine: Engine) -> None:
+        """Read the engine's levels at each scrape."""
+        if self.metrics is not None:
             self.metrics.read_levels_from(engine.gauges)
 
     def start(self) -> None:

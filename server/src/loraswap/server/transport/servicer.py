@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from loraswap.server.engine.diffusion_engine import DiffusionEngine
 from loraswap.server.engine.errors import EngineError, InvalidRequestError
+from loraswap.server.engine.interface import Engine
 from loraswap.server.transport import convert
 from loraswap.server.transport.errors import INTERNAL_ERROR, to_rpc_status
 from loraswap.v1 import diffusion_service_pb2 as pb
@@ -135,7 +135,7 @@ def _adapter_named(field: str, context: grpc.aio.ServicerContext) -> str:
 class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
     """Thin transport: every method maps engine errors through the one error table."""
 
-    def __init__(self, engine: DiffusionEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     @_errors_mapped
