@@ -152,3 +152,36 @@ def test_default_serve_draws_with_the_shipped_shapes_adapters():
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# Lines other packages print at start-up that say nothing about loraswap (torchao's optional kernels, its torch
+# pytree deprecations, diffusers' torchao notice, transformers' torchvision fallbacks, loading bars).
+FOREIGN_NOISE = re.compile(
+    r"Failed to load|Unable to import|torchvision|deprecated|Loading pipeline components|Loading weights"
+)
+
+
+def test_a_default_serve_starts_with_loraswaps_own_lines_only():
+    """`loraswap serve` with the defaults: its stderr, from start to SERVING and stop, holds loraswap's log lines
+    and nothing from the packages it imports; torchao is not even imported (nothing asks to quantize)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loraswap.client.command", "serve", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "LORASWAP_TORCH_THREADS": str(TEST_TORCH_THREADS), "LORASWAP_LOG_LEVEL": "DEBUG"},
+    )
+    try:
+        for line in process.stdout:
+            if "serving shapes on port" in line:
+                break
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "start-up load" in stderr and "ready: shapes" in stderr
+    noise = [line for line in stderr.splitlines() if FOREIGN_NOISE.search(line)]
+    assert noise == []
+    assert "torchao" not in stderr

@@ -22,6 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; exit 0 after a graceful drain, 2 (one line on stderr) for unusable settings
     (and for --preload / --pin adapters it cannot load)."""
+    from loraswap.server.engine.quiet_imports import quiet_foreign_packages
+
+    # First, before the settings' checks or the app import diffusers: what is kept out must not be in yet.
+    quiet_foreign_packages(args.quantize if isinstance(args.quantize, str) else "none")
     from loraswap.server.app import serve
     from loraswap.server.observability.log_format import configure_logging
 

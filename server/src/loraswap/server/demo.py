@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
+    from loraswap.server.engine.quiet_imports import quiet_foreign_packages
+
+    quiet_foreign_packages("none")  # the demo quantizes nothing
     summary = asyncio.run(run_demo(args.model, Path(args.out), args.compile_backend, args.torch_threads, args.prompt))
     print(json.dumps(summary, indent=2))
     return 0 if summary["recompilations"] == 0 else 1
