@@ -21,10 +21,11 @@ DENOISER = {"tiny-flux": "transformer", "tiny-sdxl": "unet"}
 
 
 def tiny_slot_specs() -> dict[str, SlotSpec]:
-    """The slot spec of each real tiny runtime (default target modules, max rank 16, float32 on CPU)."""
+    """The slot spec of each real tiny runtime (default target modules, max rank 16, float32 on CPU, no fusing:
+    what the slot itself takes)."""
     return {
         model: start_runtime(
-            EngineConfig(model=model, max_rank=MAX_RANK, compile=False, warmup=False, torch_threads=1)
+            EngineConfig(model=model, max_rank=MAX_RANK, compile=False, warmup=False, torch_threads=1, fuse="never")
         ).slot_spec()
         for model in DENOISER
     }

@@ -252,6 +252,7 @@ def _image_summary(image: GeneratedImage, output: Path) -> dict[str, object]:
         "adapter": image.adapter,
         "adapter_scale": image.adapter_scale,
         "adapters": [dataclasses.asdict(applied) for applied in image.adapters],
+        "fused": image.fused,
         "width": image.width,
         "height": image.height,
         "mime_type": image.mime_type,

@@ -147,6 +147,8 @@ class GeneratedImage:
     # Every adapter applied, with its strength, as the request named them: one for a single
     # ``adapter``, several for a stack (then ``adapter`` is empty), none for the base model.
     adapters: tuple[StackedAdapter, ...] = ()
+    # The adapters were merged into the base weights for this image (the server's --fuse), not run in its slot.
+    fused: bool = False
 
     @classmethod
     def from_pb(cls, message: pb.Image) -> GeneratedImage:
@@ -314,6 +316,8 @@ class ServerInfo:
     attention_backend: str = ""  # the diffusers attention backend the denoiser runs, e.g. native
     pinned_adapter_memory: bool = False  # cached adapters in pinned host memory (CUDA only)
     device_adapter_bytes: int = 0  # device memory for a hot set of adapters; 0 when none
+    fuse: str = ""  # how swaps apply adapters (--fuse): never, always or auto; "" from a server that does not say
+    fuse_pristine_bytes: int = 0  # the pristine base-weight copies fused swaps merge from; 0 when none
 
     @classmethod
     def from_pb(cls, message: pb.GetServerInfoResponse) -> ServerInfo:

@@ -21,11 +21,14 @@ def write_random_adapter(
     target_modules: tuple[str, ...] = DEFAULT_RANDOM_TARGETS,
     seed: int = 0,
     init_std: float | None = None,
+    use_dora: bool = False,
+    lora_bias: bool = False,
 ) -> Path:
     """Add a random PEFT LoRA to the pipeline's denoiser, save it with diffusers, remove it again.
 
     `init_std` draws both factors from N(0, init_std); the default keeps PEFT's
-    own random init (`init_lora_weights=False`). Returns the written file.
+    own random init (`init_lora_weights=False`). `use_dora` makes a DoRA adapter (PEFT's magnitude vectors
+    beside the factors), `lora_bias` one that trains lora_B's bias. Returns the written file.
     """
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
@@ -37,13 +40,19 @@ def write_random_adapter(
         lora_alpha=alpha if alpha is not None else rank,
         target_modules=list(target_modules),
         init_lora_weights=False,
+        use_dora=use_dora,
+        lora_bias=lora_bias,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         denoiser.add_adapter(config, adapter_name=_TRAINING_ADAPTER)
         state_dict = get_peft_model_state_dict(denoiser, adapter_name=_TRAINING_ADAPTER)
         if init_std is not None:
-            state_dict = {key: torch.randn_like(value) * init_std for key, value in state_dict.items()}
+            # A DoRA magnitude keeps PEFT's own start (the base weight's row norms): random ones would be nonsense.
+            state_dict = {
+                key: value if "lora_magnitude_vector" in key else torch.randn_like(value) * init_std
+                for key, value in state_dict.items()
+            }
     state_dict = {key: value.detach().clone().contiguous() for key, value in state_dict.items()}
     denoiser.delete_adapters(_TRAINING_ADAPTER)
     directory = Path(directory)

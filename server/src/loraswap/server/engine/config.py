@@ -21,6 +21,7 @@ from loraswap.server.engine.compile_options import (
     compile_options_problem,
     normalize_compile,
 )
+from loraswap.server.engine.fuse_policy import FUSE_POLICIES
 from loraswap.server.engine.models import BUILTINS
 from loraswap.server.engine.rank_buckets import parse_rank_buckets, resolve_rank_buckets
 
@@ -153,6 +154,20 @@ class EngineConfig:
         parse=optional_path,
         metavar="DIR",
     )
+    fuse: str = setting(
+        "auto",
+        "how a swap applies an adapter: never (copied into the swap slot; every step pays the LoRA branch), "
+        "always (merged into the base weights from a pristine copy: a step costs the base model's) or auto "
+        "(merged when the steps about to run save more than the merge costs, as measured at warm-up); adapters "
+        "the slot cannot hold (DoRA, trained biases, ranks above --max-rank) are served fused unless never",
+        choices=FUSE_POLICIES,
+    )
+    fuse_memory_bytes: int | None = setting(
+        None,
+        "most bytes the pristine copies of the slot layers' base weights may take, on the model's device "
+        "(--fuse auto|always; default: what the device has free after loading, less a fifth of its memory)",
+        parse=int,
+    )
     quantize: str = setting(
         "none",
         "torchao storage of the denoiser's base linear weights (LoRA factors never): int8 weight-only (CPU and "
@@ -219,6 +234,17 @@ class EngineConfig:
             from loraswap.server.engine.pipeline.quantization import check_quantization  # imports torch
 
             _one_line(check_quantization, self.quantize, self.device)
+        if self.fuse not in FUSE_POLICIES:
+            raise SettingsError(f"--fuse {self.fuse!r} is not one of {', '.join(FUSE_POLICIES)}")
+        if self.fuse == "always" and self.quantize != "none":
+            raise SettingsError(
+                f"--fuse always merges adapters into the base weights, which --quantize {self.quantize} stores "
+                "quantized; use --fuse auto (it never fuses quantized weights) or --quantize none"
+            )
+        if self.fuse_memory_bytes is not None and self.fuse_memory_bytes < 0:
+            raise SettingsError(
+                f"--fuse-memory-bytes {self.fuse_memory_bytes} is negative; give a byte budget, or --fuse never"
+            )
         if self.device_adapter_bytes < 0:
             raise SettingsError(
                 f"--device-adapter-bytes {self.device_adapter_bytes} is negative; give a byte budget, or 0 "
@@ -229,6 +255,13 @@ class EngineConfig:
 
             _one_line(check_attention, self.attention, self.device)
         _one_line(resolve_rank_buckets, self.rank_buckets, self.max_rank)
+
+
+    @property
+    def fuses(self) -> bool:
+        """Whether swaps may merge adapters into the base weights: a policy other than never, weights not quantized
+        (auto never fuses quantized weights; always refuses them)."""
+        return self.fuse != "never" and self.quantize == "none"
 
 
 def _one_line(check: Callable[..., object], *args: object) -> None:

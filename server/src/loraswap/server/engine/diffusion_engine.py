@@ -217,8 +217,8 @@ class DiffusionEngine:
     ) -> tuple[tuple[StackMember, ...], float, tuple[str, ...]]:
         """The request's adapters from the cache (loaded if need be) with their strengths, the load ms, warnings.
 
-        Refuses, before anything is queued, two names for one file and a stack whose ranks exceed
-        the slot on some layer (STACK_RANK_EXCEEDED).
+        Refuses, before anything is queued, two names for one file and, when the server does not fuse, a stack
+        whose ranks exceed the slot on some layer (STACK_RANK_EXCEEDED).
         """
         stack: list[StackMember] = []
         load_ms = 0.0
@@ -240,7 +240,7 @@ class DiffusionEngine:
             # In a stack, each warning says which member it is about.
             prefix = f"{applied.adapter}: " if len(params.adapters) > 1 else ""
             warnings += tuple(prefix + warning for warning in adapter.warnings)
-        if len(stack) > 1:
+        if len(stack) > 1 and not self.config.fuses:  # a fused stack is not bounded by the slot's width
             check_stack_fits((adapter for adapter, _ in stack), self.config.max_rank)
         for applied in params.adapters:
             self._cache.record_use(applied.adapter)

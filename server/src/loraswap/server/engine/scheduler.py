@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter
 from loraswap.server.engine.adapters.slot import StackMember, stack_order
-from loraswap.server.engine.errors import EngineError, GenerationFailedError, NotServingError, QueueFullError
+from loraswap.server.engine.errors import (
+    EngineError,
+    GenerationFailedError,
+    NotServingError,
+    QueueFullError,
+    StartupError,
+)
 from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapPath
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.types import GenerationParams, Queued, Timings
@@ -43,6 +49,13 @@ class GenerationJob:
 
     def __post_init__(self) -> None:
         self.stack = stack_order(self.stack)
+
+    def same_stack(self, other: GenerationJob) -> bool:
+        """True when both apply the same adapters at the same strengths: one runs after the other without a swap."""
+        return len(self.stack) == len(other.stack) and all(
+            adapter is other_adapter and scale == other_scale
+            for (adapter, scale), (other_adapter, other_scale) in zip(self.stack, other.stack)
+        )
 
     def uses(self, resident: tuple[CanonicalAdapter, ...]) -> bool:
         """True when the job needs exactly the resident adapters (strengths aside): it runs without a swap."""
@@ -160,7 +173,8 @@ class GenerationScheduler:
                 return index
         return 0
 
-    def _next_job(self, runtime: DiffusionRuntime) -> GenerationJob | None:
+    def _next_job(self, runtime: DiffusionRuntime) -> tuple[GenerationJob, int] | None:
+        """The job to run next, and the steps of the waiting jobs for its stack (they run after it, unswapped)."""
         with self._cond:
             while not self._waiting and not self._stopped:
                 self._cond.wait()
@@ -169,27 +183,35 @@ class GenerationScheduler:
             job = self._waiting.pop(self._pick(runtime.slot.resident_adapters))
             self._running = job
             self._publish_positions()
-            return job
+            steps_after = sum(other.params.num_inference_steps for other in self._waiting if other.same_stack(job))
+            return job, steps_after
 
     def _work(self) -> None:
         try:
             runtime = self._runtime_factory()
+        except StartupError as exc:  # one line for whoever starts the server: no traceback to read past
+            log.error("start-up failed: %s", exc)
+            self.ready.set_exception(exc)
+            return
         except BaseException as exc:  # start-up failure: report it to whoever awaits `ready`
             log.exception("start-up failed")
             self.ready.set_exception(exc)
             return
         self.ready.set_result(runtime)
-        while (job := self._next_job(runtime)) is not None:
+        while (picked := self._next_job(runtime)) is not None:
+            job, steps_after = picked
             try:
                 if not job.cancelled.is_set():
-                    self._run(runtime, job)
+                    self._run(runtime, job, steps_after)
             finally:
                 with self._cond:
                     self._running = None
 
-    def _run(self, runtime: DiffusionRuntime, job: GenerationJob) -> None:
+    def _run(self, runtime: DiffusionRuntime, job: GenerationJob, steps_after: int = 0) -> None:
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
         self._observer.job_dequeued(queue_ms / 1000.0)
+        params = job.params
+        fused = runtime.fuse_choice(job.stack, params.num_inference_steps + steps_after, params.width * params.height)
         on_swap = None
         if not runtime.slot.holds(job.stack):
             self.swaps += 1
@@ -216,6 +238,7 @@ class GenerationScheduler:
                 is_cancelled=job.cancelled.is_set,
                 timings=Timings(queue_ms=queue_ms, adapter_load_ms=job.adapter_load_ms),
                 warnings=job.warnings,
+                fused=fused,
             )
         except EngineError as exc:
             job.emit(job.abort_error or exc)

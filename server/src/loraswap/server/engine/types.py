@@ -190,6 +190,7 @@ class GeneratedImage:
     timings: Timings
     warnings: tuple[str, ...] = ()
     adapters: tuple[StackedAdapter, ...] = ()  # every adapter applied, as in GenerationParams
+    fused: bool = False  # the adapters were merged into the base weights (--fuse), not run in the swap slot
 
 
 GenerationEvent = Queued | StepProgress | GeneratedImage
@@ -260,3 +261,5 @@ class ServerDescription:
     device_adapter_bytes: int = 0  # device memory for a hot set of adapters; 0 when none
     compile_mode: str = "none"  # e.g. "full/default", "regional/default"; "none" when eager
     rank_buckets: tuple[int, ...] = ()  # the slot's rank buckets
+    fuse: str = ""  # --fuse: never, always or auto
+    fuse_pristine_bytes: int = 0  # the pristine copies of the slot layers' base weights fused swaps merge from

@@ -9,6 +9,12 @@ conversion, no config, no scale bookkeeping. Both factors are checked finite
 in the model's dtype, and `b` finite at every allowed strength, which is what
 makes the slot's gating exact.
 
+Some adapters cannot live in the slot but can be fused (merged into the base
+weights, adapters/fused.py) when the server fuses (`SlotSpec.fuse`): DoRA
+adapters (their per-row `magnitude`), LoRAs that train lora_B's bias (`bias`,
+alpha/rank baked in like `b`) and ranks above the slot's max rank. They are
+marked `fits_slot=False`; under --fuse never they are refused as before.
+
 Reading goes through diffusers' own `lora_state_dict` converters (kohya,
 A1111, ComfyUI, xlabs, ... to diffusers keys) and the same alpha rules as
 `load_lora_adapter`, so an adapter means exactly what diffusers makes of it.
@@ -46,6 +52,10 @@ class SlotSpec:
     device: torch.device
     denoiser_config: Mapping  # the denoiser's diffusers config (attribute access needed by converters)
     strict: bool = False
+    # The server fuses adapters (--fuse auto|always, weights not quantized): those the slot cannot hold are
+    # accepted to be served fused.
+    fuse: bool = False
+    biased_layers: frozenset[str] = frozenset()  # slot layers whose base layer has a bias (lora_B.bias fuses there)
 
     @property
     def pin_memory(self) -> bool:
@@ -55,10 +65,16 @@ class SlotSpec:
 
 @dataclass(frozen=True)
 class CanonicalLayer:
-    """One layer's LoRA factors: a (rank x in) and b (out x rank), alpha baked into b."""
+    """One layer's LoRA factors: a (rank x in) and b (out x rank), alpha baked into b.
+
+    Fused only: `magnitude` (out,), a DoRA adapter's per-row magnitude; `bias` (out,), a trained lora_B bias
+    with alpha baked in.
+    """
 
     a: torch.Tensor
     b: torch.Tensor
+    magnitude: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -74,6 +90,8 @@ class CanonicalAdapter:
     layers: dict[str, CanonicalLayer]
     warnings: tuple[str, ...]
     load_ms: float
+    # False for an adapter only a fused swap can apply (DoRA, a trained bias, a rank above the slot's).
+    fits_slot: bool = True
     # Scratch space for the swap slot (the views it copies from, built on the first swap), so that it
     # lives and dies with the adapter. Not part of the adapter's identity.
     swap_cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -85,9 +103,14 @@ class CanonicalAdapter:
     @property
     def nbytes(self) -> int:
         return sum(
-            layer.a.numel() * layer.a.element_size() + layer.b.numel() * layer.b.element_size()
+            tensor.numel() * tensor.element_size()
             for layer in self.layers.values()
+            for tensor in (layer.a, layer.b, layer.magnitude, layer.bias)
+            if tensor is not None
         )
+
+
+StackMember = tuple[CanonicalAdapter, float]  # an adapter and the strength it is applied at
 
 
 def _check_tensors(state_dict: dict[str, torch.Tensor]) -> None:
@@ -191,11 +214,37 @@ def _check_b(key: str, raw: torch.Tensor, b: torch.Tensor) -> None:
         )
 
 
+# What a layer's DoRA magnitude and trained lora_B bias are called in a diffusers-format state dict.
+MAGNITUDE_SUFFIX = ".lora_magnitude_vector"
+BIAS_SUFFIX = ".lora_B.bias"
+
+
+def _fused_only_tensor(key: str, spec: SlotSpec) -> bool:
+    """Whether `key` is a tensor a fused swap applies (a DoRA magnitude, a lora_B bias where the layer has one)."""
+    if not spec.fuse:
+        return False
+    if key.endswith((MAGNITUDE_SUFFIX, MAGNITUDE_SUFFIX + ".weight")):
+        return True
+    return key.endswith(BIAS_SUFFIX) and key.removesuffix(BIAS_SUFFIX) in spec.biased_layers
+
+
+def _module_of(key: str) -> str:
+    for suffix in (MAGNITUDE_SUFFIX + ".weight", MAGNITUDE_SUFFIX, BIAS_SUFFIX):
+        if key.endswith(suffix):
+            return key.removesuffix(suffix)
+    return key
+
+
 def _check_layers(state_dict: dict[str, torch.Tensor], spec: SlotSpec) -> None:
-    """Plain LoRA factors of slot layers only, checked before alpha patterns are matched against module names."""
-    if any("lora_magnitude_vector" in key for key in state_dict):
+    """Plain LoRA factors of slot layers only (and, when the server fuses, DoRA magnitudes and lora_B biases),
+    checked before alpha patterns are matched against module names."""
+    if not spec.fuse and any("lora_magnitude_vector" in key for key in state_dict):
         raise AdapterIncompatibleError("DoRA adapters cannot be swapped in place; use a plain LoRA")
-    unexpected = sorted(key for key in state_dict if not key.endswith((".lora_A.weight", ".lora_B.weight")))
+    unexpected = sorted(
+        key
+        for key in state_dict
+        if not key.endswith((".lora_A.weight", ".lora_B.weight")) and not _fused_only_tensor(key, spec)
+    )
     if unexpected:
         raise AdapterFormatError(
             f"the adapter has tensors that are not plain LoRA factors "
@@ -204,6 +253,11 @@ def _check_layers(state_dict: dict[str, torch.Tensor], spec: SlotSpec) -> None:
             reason=ErrorReason.ADAPTER_UNSUPPORTED_TENSORS,
         )
     modules = {key.removesuffix(".lora_A.weight") for key in state_dict if key.endswith(".lora_A.weight")}
+    orphans = sorted(key for key in state_dict if _fused_only_tensor(key, spec) and _module_of(key) not in modules)
+    if orphans:
+        raise AdapterFormatError(
+            f"tensor {shorten(orphans[0])} belongs to a layer without LoRA factors; the file is incomplete"
+        )
     outside = sorted(module for module in modules if module not in spec.layer_shapes)
     if outside:
         raise AdapterIncompatibleError(
@@ -235,7 +289,7 @@ def _canonical_layers(
                 "expected (rank, in) and (out, rank) for a linear layer",
                 reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
             )
-        if rank > spec.max_rank:
+        if rank > spec.max_rank and not spec.fuse:
             raise AdapterIncompatibleError(
                 f"layer {module} has rank {rank}, above the server's max rank {spec.max_rank}; "
                 f"restart with --max-rank {rank} or use a lower-rank adapter",
@@ -262,12 +316,43 @@ def _canonical_layers(
             # Tensors read straight from a safetensors file can start anywhere; the slot copies
             # lora_B as 16-byte elements only from 16-byte-aligned memory, which a fresh tensor is.
             baked_b = baked_b.clone()
+        magnitude = _fused_vector(state_dict, module, (MAGNITUDE_SUFFIX, MAGNITUDE_SUFFIX + ".weight"), 1.0, spec)
+        bias = _fused_vector(state_dict, module, (BIAS_SUFFIX,), scaling, spec)
         if spec.pin_memory:
             # Last, so that nothing above copies the factors back into pageable memory (a fresh pinned
             # block is aligned and contiguous like its source).
             a, baked_b = a.pin_memory(), baked_b.pin_memory()
-        layers[module] = CanonicalLayer(a=a, b=baked_b)
+        layers[module] = CanonicalLayer(a=a, b=baked_b, magnitude=magnitude, bias=bias)
     return layers
+
+
+def _fused_vector(
+    state_dict: dict[str, torch.Tensor], module: str, suffixes: tuple[str, ...], scaling: float, spec: SlotSpec
+) -> torch.Tensor | None:
+    """A layer's DoRA magnitude or lora_B bias (scaling baked in), checked: one value per output, finite."""
+    key = next((module + suffix for suffix in suffixes if module + suffix in state_dict), None)
+    if key is None:
+        return None
+    raw = state_dict[key]
+    _check_dtype(key, raw)
+    _, out_features = spec.layer_shapes[module]
+    if raw.numel() != out_features:
+        raise AdapterFormatError(
+            f"tensor {shorten(key)} has shape {tuple(raw.shape)}; expected one value per output ({out_features}) "
+            "of the layer",
+            reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
+        )
+    vector = (raw.reshape(-1).to(torch.float32) * scaling).to(spec.dtype).contiguous()
+    if not torch.isfinite(vector).all():
+        _refuse_non_finite(key, raw, vector)
+    return vector.pin_memory() if spec.pin_memory else vector
+
+
+def _fits_slot(layers: dict[str, CanonicalLayer], max_rank: int) -> bool:
+    """Whether the slot can hold the adapter: plain factors, no rank above its max rank."""
+    return all(
+        layer.rank <= max_rank and layer.magnitude is None and layer.bias is None for layer in layers.values()
+    )
 
 
 def load_canonical(
@@ -310,7 +395,7 @@ def load_canonical(
         own = convert_unet_state_dict_to_peft(own)
     _check_factor_pairs(own)
     _check_layers(own, spec)
-    scalings = layer_scalings(own, alphas, metadata, prefix)
+    scalings = layer_scalings(own, alphas, metadata, prefix, dora=spec.fuse)
     layers = _canonical_layers(own, scalings, spec)
     return CanonicalAdapter(
         name=adapter_file.name,
@@ -318,4 +403,5 @@ def load_canonical(
         layers=layers,
         warnings=tuple(warnings),
         load_ms=(time.perf_counter() - started) * 1000.0,
+        fits_slot=_fits_slot(layers, spec.max_rank),
     )

@@ -101,9 +101,15 @@ def _pattern_lookup(patterns: Mapping[str, object]) -> Callable[[str], str | Non
 
 
 def layer_scalings(
-    state_dict: dict[str, torch.Tensor], alphas: dict[str, float] | None, metadata: dict | None, prefix: str
+    state_dict: dict[str, torch.Tensor],
+    alphas: dict[str, float] | None,
+    metadata: dict | None,
+    prefix: str,
+    *,
+    dora: bool = False,
 ) -> dict[str, float]:
-    """Per-module alpha/rank exactly as diffusers' load_lora_adapter configures PEFT."""
+    """Per-module alpha/rank exactly as diffusers' load_lora_adapter configures PEFT; `dora`: a DoRA config is
+    accepted (the server fuses), else refused."""
     from diffusers.utils.peft_utils import _create_lora_config
 
     ranks = {f"^{key}": value.shape[1] for key, value in state_dict.items() if "lora_B" in key and value.ndim > 1}
@@ -117,7 +123,7 @@ def layer_scalings(
     # Checked fields only reach PEFT; anything it still refuses is an invalid configuration, not a server fault.
     except Exception as exc:
         raise AdapterFormatError(f"the adapter's LoRA configuration is not valid ({shorten(exc)})") from exc
-    if getattr(config, "use_dora", False):
+    if getattr(config, "use_dora", False) and not dora:
         raise AdapterIncompatibleError("DoRA adapters cannot be swapped in place; use a plain LoRA")
     # Without metadata, diffusers derives alpha_pattern keys from the file's alpha tensor names: check those too.
     _checked_patterns(

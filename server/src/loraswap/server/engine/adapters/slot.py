@@ -47,6 +47,12 @@ per-layer `_disable_adapters`). The bucket is a Python int on every slot module,
 specialises on: each bucket, and the base model, is one graph, compiled during warm-up
 (`computing_at`), all layers switching together. Bucketing is exact up to float summation order:
 the ranks it leaves out are gated to zero in the full-width product too.
+
+Fused swaps (adapters/fused.py, with --fuse auto|always): `load_stack(members, fused=True)` merges the
+stack into the base weights of the layers it touches and computes at bucket 0, the base model's graph;
+the LoRA slot keeps whatever it held, so going back to that stack unfused later copies nothing. An
+adapter the slot cannot hold (DoRA, a trained bias, a rank above max rank; `fits_slot` False) is only
+ever loaded fused.
 """
 
 from __future__ import annotations
@@ -59,9 +65,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember
 from loraswap.server.engine.adapters.copy_stream import CopyStream
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
+from loraswap.server.engine.adapters.fused import FusedWeights
 from loraswap.server.engine.errors import AdapterIncompatibleError, ErrorReason
 from loraswap.server.engine.rank_buckets import bucket_for
 from loraswap.server.engine.types import ModelFamily
@@ -70,12 +77,17 @@ SLOT_ADAPTER_NAME = "loraswap_slot"
 # Adapter layouts (layers and ranks) whose slot views are kept; most deployments have a handful.
 MAX_CACHED_PLANS = 64
 
-StackMember = tuple[CanonicalAdapter, float]  # an adapter and the strength it is applied at
-
 
 def stack_order(members: Iterable[StackMember]) -> tuple[StackMember, ...]:
     """Members in the order the slot places them: by name, so the order a request gives never changes the image."""
     return tuple(sorted(members, key=lambda member: member[0].name))
+
+
+def _same_members(ordered: tuple[StackMember, ...], resident: tuple[StackMember, ...]) -> bool:
+    """The same adapter objects at the same strengths, both in stack_order."""
+    return len(ordered) == len(resident) and all(
+        adapter is other and scale == other_scale for (adapter, scale), (other, other_scale) in zip(ordered, resident)
+    )
 
 
 def _stack_rank_error(layer: str, rank: int, max_rank: int) -> AdapterIncompatibleError:
@@ -243,6 +255,8 @@ class HotswapSlot:
         self._copies = CopyStream(device)  # CUDA: the copies run on a side stream the denoising stream waits on
         # --device-adapter-bytes (set by the runtime): device copies of hot adapters to copy from instead of the host.
         self.device_cache: DeviceAdapterCache | None = None
+        # --fuse auto|always (set by the runtime): merges into the base weights from their pristine copies.
+        self.fused_weights: FusedWeights | None = None
         first = next(iter(self._layers.values()), None)
         # 16-byte views of lora_B need 16-byte-aligned slot rows and start.
         self._dtype = first.b.dtype if first is not None else None
@@ -250,12 +264,14 @@ class HotswapSlot:
             (max_rank * first.b.element_size()) % 16 == 0
             and all(live.b.data_ptr() % 16 == 0 for live in self._layers.values())
         )
-        self._members: tuple[StackMember, ...] = ()  # what is resident, in stack_order
+        self._members: tuple[StackMember, ...] = ()  # what the LoRA slot holds, in stack_order
+        self._lora_bucket = 0  # the bucket the LoRA slot's stack computes at
+        self._fused_members: tuple[StackMember, ...] | None = None  # what is fused into the base weights; None: none
         self._consistent = True  # False after a load failed part-way: then nothing is resident for sure
         self._resident_ranks: dict[str, int] | None = None  # the ranks dict of the last load (identity compared)
         self._no_adapter_ranks = {name: 0 for name in self._layers}
         self._bucket = -1  # what every slot module computes at now (0: the LoRA branch skipped); -1: not yet set
-        self._needed_bucket = 0  # the resident stack's bucket
+        self._needed_bucket = 0  # the resident stack's bucket (0 when fused)
         self._bucket_floor = 0  # computing_at: the least bucket to compute at whatever is resident
         self._set_bucket(0)
 
@@ -306,65 +322,128 @@ class HotswapSlot:
                 lora_a.__dict__["rank_bucket"] = lora_b.__dict__["rank_bucket"] = bucket
         self._bucket = bucket
 
-    def spec(self, family: ModelFamily, dtype: torch.dtype, device: torch.device, *, strict: bool = False) -> SlotSpec:
-        """What an adapter must fit to be loaded into this slot."""
-        shapes = {}
-        for name in self._layers:
-            layer = self._denoiser.get_submodule(name).base_layer
-            shapes[name] = (layer.in_features, layer.out_features)
+    def spec(
+        self, family: ModelFamily, dtype: torch.dtype, device: torch.device, *, strict: bool = False
+    ) -> SlotSpec:
+        """What an adapter must fit to be loaded into this slot (with fused_weights set: or to be fused)."""
+        base_layers = self.base_layers()
         return SlotSpec(
             family=family,
-            layer_shapes=shapes,
+            layer_shapes={name: (layer.in_features, layer.out_features) for name, layer in base_layers.items()},
             max_rank=self.max_rank,
             dtype=dtype,
             device=device,
             denoiser_config=self._denoiser.config,  # diffusers' FrozenDict: its converters read attributes
             strict=strict,
+            fuse=self.fused_weights is not None,
+            biased_layers=frozenset(name for name, layer in base_layers.items() if layer.bias is not None),
         )
+
+    def unfused_bucket(self, members: Iterable[StackMember]) -> int | None:
+        """The bucket the slot would compute these adapters at unfused; None when the slot cannot hold them."""
+        summed = self.summed_ranks(members)
+        if summed is None:
+            return None
+        worst = max(summed.values(), default=0)
+        return bucket_for(worst, self.rank_buckets) if worst <= self.max_rank else None
+
+    @staticmethod
+    def summed_ranks(members: Iterable[StackMember]) -> dict[str, int] | None:
+        """Each layer's rank summed over the members; None when one of them only fuses (DoRA, a trained bias)."""
+        summed: dict[str, int] = {}
+        for adapter, _ in members:
+            if any(layer.magnitude is not None or layer.bias is not None for layer in adapter.layers.values()):
+                return None
+            for name, layer in adapter.layers.items():
+                summed[name] = summed.get(name, 0) + layer.rank
+        return summed
+
+    def base_layers(self) -> dict[str, torch.nn.Module]:
+        """Each slot layer's base linear layer (the weight a fused swap writes), by name."""
+        return {name: live.modules[0].base_layer for name, live in self._layers.items()}
+
+    @property
+    def _resident_members(self) -> tuple[StackMember, ...]:
+        return self._fused_members if self._fused_members is not None else self._members
+
+    @property
+    def fused(self) -> bool:
+        """Whether the resident adapters are fused into the base weights (False for the base model)."""
+        return bool(self._fused_members)
 
     @property
     def resident(self) -> CanonicalAdapter | None:
         """The adapter in the slot when it holds exactly one; None for the base model and for a stack."""
-        return self._members[0][0] if len(self._members) == 1 else None
+        members = self._resident_members
+        return members[0][0] if len(members) == 1 else None
 
     @property
     def resident_scale(self) -> float:
         """The strength of the one resident adapter; 1.0 otherwise."""
-        return self._members[0][1] if len(self._members) == 1 else 1.0
+        members = self._resident_members
+        return members[0][1] if len(members) == 1 else 1.0
 
     @property
     def resident_adapters(self) -> tuple[CanonicalAdapter, ...]:
-        """Every adapter in the slot, in stack_order; empty for the base model."""
-        return tuple(adapter for adapter, _ in self._members)
+        """Every adapter in the slot, fused or not, in stack_order; empty for the base model."""
+        return tuple(adapter for adapter, _ in self._resident_members)
 
     def is_resident(self, adapter: CanonicalAdapter | None, scale: float) -> bool:
         """True when the slot already holds exactly this adapter object at this strength."""
         return self.holds(() if adapter is None else ((adapter, scale),))
 
     def holds(self, members: Iterable[StackMember]) -> bool:
-        """True when the slot already holds exactly these adapter objects at these strengths, in any order."""
-        if not self._consistent:
-            return False
-        ordered = stack_order(members)
-        return len(ordered) == len(self._members) and all(
-            adapter is resident and scale == resident_scale
-            for (adapter, scale), (resident, resident_scale) in zip(ordered, self._members)
-        )
+        """True when the slot already holds exactly these adapter objects at these strengths, in any order,
+        fused or not."""
+        if self._fused_members is not None:
+            return _same_members(stack_order(members), self._fused_members)
+        return self._consistent and _same_members(stack_order(members), self._members)
 
     def load(self, adapter: CanonicalAdapter | None, scale: float = 1.0) -> float:
         """Make `adapter` (None: the base model) resident at `scale`; returns milliseconds spent."""
         return self.load_stack(() if adapter is None else ((adapter, scale),))
 
     @torch.no_grad()
-    def load_stack(self, members: Iterable[StackMember]) -> float:
+    def load_stack(self, members: Iterable[StackMember], *, fused: bool = False) -> float:
         """Make these adapters resident together, each at its strength (none: the base model); returns ms spent.
 
-        Raises STACK_RANK_EXCEEDED (AdapterIncompatibleError) before anything changes when their
-        ranks add up to more than max rank on some layer.
+        `fused`: merge them into the base weights instead (fused_weights must be set). Raises
+        STACK_RANK_EXCEEDED (AdapterIncompatibleError) before anything changes when an unfused stack's
+        ranks add up to more than max rank on some layer; a fused merge that overflows the model's dtype
+        raises ADAPTER_OUT_OF_RANGE and leaves the unfused slot resident (see fused.py).
         """
         members = stack_order(members)
-        if self.holds(members):
+        if self.holds(members) and (not members or fused == self.fused):
             return 0.0
+        if fused and members:
+            return self._fuse(members)
+        restore_ms = 0.0
+        if self._fused_members is not None:
+            restore_ms = self.fused_weights.restore()
+            self._fused_members = None
+            self._needed_bucket = self._lora_bucket
+        if self._consistent and _same_members(members, self._members):
+            self._set_bucket(max(self._needed_bucket, self._bucket_floor))
+            return restore_ms
+        return restore_ms + self._copy_in(members)
+
+    def _fuse(self, members: tuple[StackMember, ...]) -> float:
+        if self.fused_weights is None:
+            raise RuntimeError("this slot has no pristine weights to fuse from (--fuse never)")
+        self._fused_members = None  # until the merge is done: a failed one leaves W0 everywhere
+        try:
+            merge_ms = self.fused_weights.merge(members)
+        except BaseException:
+            self._needed_bucket = self._lora_bucket
+            self._set_bucket(max(self._needed_bucket, self._bucket_floor))
+            raise
+        self._fused_members = members
+        self._needed_bucket = 0
+        self._set_bucket(self._bucket_floor)
+        return merge_ms
+
+    def _copy_in(self, members: tuple[StackMember, ...]) -> float:
+        """The unfused swap: copy the members' factors into the LoRA slot, scale them, open their ranks."""
         started = time.perf_counter()
         targets, sources, ranks, bucket = [], [], self._no_adapter_ranks, 0
         by_scale: dict[float, list[torch.Tensor]] = {}
@@ -405,14 +484,15 @@ class HotswapSlot:
                 live.resident_rank = -1
             self._members, self._consistent = (), False
             self._resident_ranks = None
-            self._needed_bucket = self.max_rank  # until the next load: whatever the weights hold, compute it all
+            # Until the next load: whatever the weights hold, compute it all.
+            self._needed_bucket = self._lora_bucket = self.max_rank
             self._set_bucket(self.max_rank)
             raise
         if gates:
             for name, rank in ranks.items():
                 self._layers[name].resident_rank = rank
         self._resident_ranks = ranks
-        self._needed_bucket = bucket
+        self._needed_bucket = self._lora_bucket = bucket
         self._members = members
         self._consistent = True
         return (time.perf_counter() - started) * 1000.0

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from loraswap.server.engine.adapters.canonical import SlotSpec
+from loraswap.server.engine.adapters.fused import FusedWeights
 from loraswap.server.engine.adapters.slot import HotswapSlot, StackMember
 from loraswap.server.engine.compile_options import compile_mode_label
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import ErrorReason, GenerationCancelledError, InvalidRequestError
 from loraswap.server.engine.families import FamilyTraits
+from loraswap.server.engine.fuse_policy import FuseCosts, choose_fused
 from loraswap.server.engine.pipeline.compile import CountingBackend, conv_backend
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, FixedThreads
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
@@ -64,6 +66,7 @@ class InstalledSlot:
     slot: HotswapSlot
     target_layers: tuple[str, ...]
     device_adapter_bytes: int  # device memory for the hot set of adapters (CUDA only; else 0)
+    pristine_bytes: int = 0  # the pristine copies fused swaps merge from (--fuse auto|always; else 0)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,10 @@ class DiffusionRuntime:
         self.denoiser = loaded.denoiser
         self.slot, self.target_layers = installed.slot, list(installed.target_layers)
         self.device_adapter_bytes = installed.device_adapter_bytes
+        self.pristine_bytes = installed.pristine_bytes
+        # --fuse auto's measured figures and the buckets a swap may compute at unfused: set by the warm-up.
+        self.fuse_costs: FuseCosts | None = None
+        self.unfused_buckets: frozenset[int] = frozenset(installed.slot.rank_buckets)
         self.quantization, self.denoiser_weight_bytes = weights.quantization, weights.denoiser_weight_bytes
         self.compile_kind, self.compile_mode = compiled.kind, compiled.mode
         self.compiled, self.compile_label = compiled.compiled, compiled.label
@@ -145,6 +152,36 @@ class DiffusionRuntime:
     def recompilations(self) -> int:
         """Graphs compiled since warm-up finished (0 when not compiled)."""
         return self.graphs_compiled - self._graphs_at_ready
+
+    @property
+    def pristine_weight_bytes(self) -> int:
+        """Bytes of every slot layer's base weight: what a merge over all of them reads and writes (0: no fusing)."""
+        fused = self.slot.fused_weights
+        return fused.pristine.weight_bytes(fused.pristine.weights) if fused is not None else 0
+
+    def fuse_choice(self, stack: tuple[StackMember, ...], steps: int, pixels: int) -> bool:
+        """Whether the swap to `stack` fuses it (--fuse; see fuse_policy.py): `steps` are those about to run at
+        this residency, `pixels` the request's image size. A resident stack keeps the way it is resident."""
+        if self.slot.holds(stack):
+            return self.slot.fused
+        bucket = self.slot.unfused_bucket(stack)
+        saving = merge_ms = None
+        costs = self.fuse_costs
+        if bucket is not None and bucket in self.unfused_buckets:
+            saving = costs.saving_ms_per_step(bucket, pixels) if costs is not None else 0.0
+        if costs is not None:
+            summed = self.slot.summed_ranks(stack) or {}
+            touched = self.slot.fused_weights.pristine.weight_bytes(FusedWeights.layers_of(stack))
+            merge_ms = costs.merge_ms(touched, max(summed.values(), default=0))
+        return choose_fused(
+            self.config.fuse,
+            fusing=self.config.fuses,
+            has_adapters=bool(stack),
+            slot_can_hold=bucket is not None,
+            saving_ms_per_step=saving,
+            steps=steps,
+            merge_ms=merge_ms if merge_ms is not None else 0.0,
+        )
 
     def slot_spec(self) -> SlotSpec:
         """What adapters must fit to be swapped into this runtime's slot."""
@@ -179,6 +216,8 @@ class DiffusionRuntime:
             attention_backend=self.attention_backend,
             pinned_adapter_memory=self.slot_spec().pin_memory,
             device_adapter_bytes=self.device_adapter_bytes,
+            fuse=self.config.fuse,
+            fuse_pristine_bytes=self.pristine_bytes,
         )
 
     # -- requests -----------------------------------------------------------------------------------
@@ -193,11 +232,12 @@ class DiffusionRuntime:
         timings: Timings | None = None,
         warnings: tuple[str, ...] = (),
         on_swap: Callable[[float], None] | None = None,
+        fused: bool = False,
     ) -> GeneratedImage:
         """Swap `stack` in, run the pipeline streaming each step through on_step, encode the image.
 
         `stack` holds the adapters and their strengths (() for the base model); `params` come from
-        `request_rules.resolve`. Raises GenerationCancelledError at the first step boundary after
+        `request_rules.resolve`; `fused` merges the stack into the base weights (fuse_choice says when). Raises GenerationCancelledError at the first step boundary after
         is_cancelled() turns true, before the VAE decode.
         """
         timings = timings or Timings()
@@ -206,7 +246,12 @@ class DiffusionRuntime:
             dtype=self.dtype,
         )  # fmt: skip
         with torch.inference_mode(), conv_guard:
-            swap_ms = self.slot.load_stack(stack)
+            merges = not self.slot.holds(stack) and fused and bool(stack)
+            swap_ms = self.slot.load_stack(stack, fused=fused)
+            if merges and self.fuse_costs is not None:
+                summed = self.slot.summed_ranks(stack) or {}
+                touched = self.slot.fused_weights.pristine.weight_bytes(FusedWeights.layers_of(stack))
+                self.fuse_costs.observe_merge(swap_ms, touched, max(summed.values(), default=0))
             if on_swap is not None:
                 on_swap(swap_ms)
             started = time.perf_counter()
@@ -243,6 +288,7 @@ class DiffusionRuntime:
             adapter=params.adapter,
             adapter_scale=params.adapter_scale,
             adapters=params.adapters,
+            fused=self.slot.fused,
             timings=Timings(
                 queue_ms=timings.queue_ms,
                 adapter_load_ms=timings.adapter_load_ms,

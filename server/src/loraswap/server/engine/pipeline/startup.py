@@ -16,15 +16,19 @@ from pathlib import Path
 import torch
 
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
+from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
 from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.compile_options import effective_compile_mode, resolve_compile_kind
 from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.errors import StartupError
 from loraswap.server.engine.families import family_of
+from loraswap.server.engine.fuse_policy import FuseCosts, buckets_auto_may_choose
 from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
 from loraswap.server.engine.pipeline.attention import apply_attention, resolve_attention
 from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, compile_counting
 from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
+from loraswap.server.engine.pipeline.fuse_costs import measure_fuse_costs, measure_step_ms
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
 from loraswap.server.engine.pipeline.quantization import quantize_denoiser, weight_bytes
 from loraswap.server.engine.pipeline.runtime import (
@@ -41,6 +45,9 @@ from loraswap.server.engine.request_rules import RequestRules
 
 log = logging.getLogger(__name__)
 
+# The share of a device's memory (1/N) the pristine copies leave free by default: activations, the allocator.
+FREE_MEMORY_RESERVE = 5
+
 
 def start_runtime(config: EngineConfig) -> DiffusionRuntime:
     """The resident pipeline, loaded, slotted, quantized, compiled and warm; each phase logged with its duration."""
@@ -48,7 +55,8 @@ def start_runtime(config: EngineConfig) -> DiffusionRuntime:
     loaded = load(config)
     clock.done("load", f"{config.model} ({loaded.traits.family.value}, {loaded.dtype} on {loaded.device})")
     installed = install_slot(config, loaded)
-    clock.done("slot", f"{len(installed.target_layers)} layers at rank {config.max_rank}")
+    pristine = f", pristine copies {installed.pristine_bytes} bytes" if installed.pristine_bytes else ""
+    clock.done("slot", f"{len(installed.target_layers)} layers at rank {config.max_rank}{pristine}")
     weights = quantize(config, loaded)
     if weights.quantization != "none":
         clock.done("quantize", f"{weights.quantization}, denoiser weights {weights.denoiser_weight_bytes} bytes")
@@ -123,13 +131,54 @@ def install_slot(config: EngineConfig, loaded: LoadedModel) -> InstalledSlot:
         denoiser, target_layers, config.max_rank, loaded.dtype, loaded.device,
         resolve_rank_buckets(config.rank_buckets, config.max_rank),
     )  # fmt: skip
+    pristine_bytes = _keep_pristine_weights(config, loaded, slot) if config.fuses else 0
     # CUDA only: cached adapters are pinned (SlotSpec.pin_memory) and hot ones kept on the device.
     device_adapter_bytes = config.device_adapter_bytes if loaded.device.type == "cuda" else 0
     if device_adapter_bytes:
         slot.device_cache = DeviceAdapterCache(device_adapter_bytes, loaded.device)
     elif config.device_adapter_bytes:
         log.info("--device-adapter-bytes: adapters are copied from host memory on %s, no hot set", loaded.device)
-    return InstalledSlot(slot=slot, target_layers=tuple(target_layers), device_adapter_bytes=device_adapter_bytes)
+    return InstalledSlot(
+        slot=slot,
+        target_layers=tuple(target_layers),
+        device_adapter_bytes=device_adapter_bytes,
+        pristine_bytes=pristine_bytes,
+    )
+
+
+def _keep_pristine_weights(config: EngineConfig, loaded: LoadedModel, slot: HotswapSlot) -> int:
+    """Copy the slot layers' base weights apart, for fused swaps to merge from (adapters/fused.py); their bytes.
+
+    Raises:
+        StartupError: the copies do not fit in --fuse-memory-bytes (or, unset, in what the device has free).
+    """
+    base_layers = slot.base_layers()
+    needed = PristineWeights.bytes_needed(base_layers)
+    budget = config.fuse_memory_bytes if config.fuse_memory_bytes is not None else _free_bytes(loaded.device)
+    if budget is not None and needed > budget:
+        source = "--fuse-memory-bytes" if config.fuse_memory_bytes is not None else f"what {loaded.device} has free"
+        raise StartupError(
+            f"--fuse {config.fuse} keeps a pristine copy of the {len(base_layers)} slot layers' base weights, "
+            f"{needed} bytes, more than {source} ({budget} bytes); raise --fuse-memory-bytes, cover fewer layers "
+            "with --target-modules, or use --fuse never"
+        )
+    slot.fused_weights = FusedWeights(PristineWeights(base_layers))
+    return needed
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """What the pristine copies may take when --fuse-memory-bytes is unset: the device's free memory less a fifth
+    of its total (room for activations and the allocator); None when it cannot be told."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, free - total // FREE_MEMORY_RESERVE)
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+        total = int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    return max(0, available - total // FREE_MEMORY_RESERVE)
 
 
 def quantize(config: EngineConfig, loaded: LoadedModel) -> StoredWeights:
@@ -158,20 +207,57 @@ def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: Insta
 
 
 def warm_up(runtime: DiffusionRuntime, compile_cache_folder: Path | None) -> None:
-    """Run the pipeline at the shapes and rank buckets that make every later request reuse a compiled graph."""
+    """Run the pipeline at the shapes and rank buckets that make every later request reuse a compiled graph, and
+    (--fuse auto) measure what the auto rule weighs, compiling the larger buckets only where it may choose them."""
     requests = warm_up_requests(
         runtime.request_rules,
         runtime.traits.upsample_period(runtime.pipe),
         runtime.traits.warm_up_guidance(runtime.defaults),
     )
+    slot = runtime.slot
     with compile_cache_scope(compile_cache_folder):
-        for bucket in warm_up_buckets(runtime.slot.graph_buckets, runtime.compiled):
-            with runtime.slot.computing_at(bucket):
-                for request in requests:
-                    runtime.generate(
-                        runtime.request_rules.resolve(request), (), on_step=lambda progress: None,
-                        is_cancelled=lambda: False,
-                    )  # fmt: skip
+        if not runtime.config.fuses:
+            graphs = slot.graph_buckets  # every bucket: swaps are copies into the slot
+        elif runtime.config.fuse == "always":
+            graphs = (0,)  # every adapter is fused: only the base model's graph runs
+        else:
+            graphs = (0, slot.rank_buckets[0])  # the base model's and the smallest bucket's, which predicts the rest
+        for bucket in warm_up_buckets(graphs, runtime.compiled):
+            _run_at(runtime, bucket, requests)
+        if runtime.config.fuse != "auto" or not runtime.config.fuses:
+            runtime.unfused_buckets = frozenset(graphs) - {0}
+            return
+        if not runtime.compiled:  # no graphs to compile: the rule may choose any bucket, so measure them all
+            graphs = slot.graph_buckets
+        costs = measure_fuse_costs(runtime, graphs)
+        smallest = slot.rank_buckets[0]
+        full_merges = {bucket: costs.merge_ms(runtime.pristine_weight_bytes, bucket) for bucket in slot.rank_buckets}
+        extra = () if not runtime.compiled else _larger_buckets(costs, smallest, full_merges)
+        for bucket in extra:
+            _run_at(runtime, bucket, requests)
+            costs.step_ms[bucket] = measure_step_ms(runtime, bucket)
+        runtime.fuse_costs = costs
+        runtime.unfused_buckets = frozenset(costs.step_ms) - {0}
+    log.info(
+        "--fuse auto: base step %.2f ms; %s; merge %.3g ms/MB + %.3g ms/MB per rank; unfused buckets %s",
+        costs.step_ms[0],
+        ", ".join(f"bucket {b} step {ms:.2f} ms" for b, ms in sorted(costs.step_ms.items()) if b),
+        costs.merge_ms_per_byte * 2**20, costs.merge_ms_per_byte_rank * 2**20,
+        ",".join(map(str, sorted(runtime.unfused_buckets))) or "none",
+    )  # fmt: skip
+
+
+def _larger_buckets(costs: FuseCosts, smallest: int, full_merges: dict[int, float]) -> tuple[int, ...]:
+    saving = costs.saving_ms_per_step(smallest, costs.measured_pixels) or 0.0
+    return buckets_auto_may_choose(tuple(sorted(full_merges)), saving, full_merges)
+
+
+def _run_at(runtime: DiffusionRuntime, bucket: int, requests: list) -> None:
+    with runtime.slot.computing_at(bucket):
+        for request in requests:
+            runtime.generate(
+                runtime.request_rules.resolve(request), (), on_step=lambda progress: None, is_cancelled=lambda: False
+            )
 
 
 # -- what the phases share ------------------------------------------------------------------------------
@@ -206,7 +292,7 @@ def _dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     name = config.dtype or default_dtype(config.model, device.type)
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown --dtype {config.dtype!r}; use float32, float16 or bfloat16")
+        raise ValueError(f"unknown --dtype {config.dtype!r}; use float32, float16 or bfloat16")  # noqa: TRY004
     return dtype
 
 

@@ -1,0 +1,189 @@
+"""Fused swaps: the resident adapters merged into the base weights of the slot layers they touch, exactly.
+
+With an adapter fused, each layer it changes holds W0 + sum_i s_i * B_i A_i in its own base weight
+(the very tensor the compiled graphs read, so addresses and CUDA graphs stay valid) and the LoRA
+branch is skipped as for the base model: a step costs what the base model's does.
+
+Exact by construction, whatever ran before:
+- every merge starts from the layer's pristine W0, a copy kept apart at start-up (`PristineWeights`),
+  never from a fused state and never by subtracting a previous merge (diffusers' fuse/unfuse drifts in
+  low precision with every round trip);
+- the sum is accumulated in float32 and rounded once to the model's dtype;
+- changing adapters restores, from the pristine copy, only the layers the previous merge touched and the
+  new one does not.
+So the same stack at the same strengths always writes the same bits.
+
+What is merged, per member of the stack (PEFT's own arithmetic, `peft.tuners.lora` Linear.merge and
+DoraLinearVariant.merge_unsafe; a stack adds each member's change to W0 as PEFT's forward does with
+several adapters active):
+- a LoRA: s * B A (canonical `b` has alpha/rank baked in);
+- a DoRA adapter: (m / ||W0 + s B A||_row) * (W0 + s B A) - W0, its magnitude m per output row;
+- a trained lora_B bias: s * bias, added to the layer's bias.
+
+A merge whose result is not finite in the model's dtype (an adapter overflowing it at this strength) is
+refused and leaves the base weights as they were before it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from loraswap.server.engine.adapters.canonical import StackMember
+from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
+
+
+class PristineWeights:
+    """A copy of each slot layer's base weight (and bias), on the model's device, taken before any merge."""
+
+    def __init__(self, base_layers: dict[str, torch.nn.Module]) -> None:
+        self.layers = base_layers
+        self.weights = {name: layer.weight.detach().clone() for name, layer in base_layers.items()}
+        self.biases = {
+            name: layer.bias.detach().clone() for name, layer in base_layers.items() if layer.bias is not None
+        }
+
+    @staticmethod
+    def bytes_needed(base_layers: dict[str, torch.nn.Module]) -> int:
+        """What the copies of these layers take, before taking them."""
+        return sum(
+            tensor.numel() * tensor.element_size()
+            for layer in base_layers.values()
+            for tensor in (layer.weight, layer.bias)
+            if tensor is not None
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in (*self.weights.values(), *self.biases.values()))
+
+    def weight_bytes(self, names: Iterable[str]) -> int:
+        """Bytes of the named layers' base weights: what a merge into them reads and writes."""
+        return sum(self.weights[name].numel() * self.weights[name].element_size() for name in names)
+
+
+class FusedWeights:
+    """Writes stacks into the slot layers' base weights from their pristine copies. Worker thread only."""
+
+    def __init__(self, pristine: PristineWeights) -> None:
+        self.pristine = pristine
+        self._touched: set[str] = set()  # layers whose base weights hold a merge now
+        self._device = next(iter(pristine.weights.values())).device if pristine.weights else torch.device("cpu")
+        largest = max((weight.numel() for weight in pristine.weights.values()), default=0)
+        # One float32 scratch for the sum and one for DoRA's W0 + s BA: no allocation per layer and swap.
+        self._sum = torch.empty(largest, dtype=torch.float32, device=self._device)
+        self._dora = None  # made on the first DoRA merge
+
+    @property
+    def touched(self) -> frozenset[str]:
+        return frozenset(self._touched)
+
+    @staticmethod
+    def layers_of(members: Iterable[StackMember]) -> set[str]:
+        """The slot layers a stack changes."""
+        return {name for adapter, _ in members for name in adapter.layers}
+
+    @torch.no_grad()
+    def merge(self, members: tuple[StackMember, ...]) -> float:
+        """Make the base weights hold W0 plus the members' changes (none: W0 everywhere); returns ms spent.
+
+        Raises:
+            InvalidRequestError: ADAPTER_OUT_OF_RANGE when a merged weight is not finite in the model's dtype;
+                the base weights then hold W0 on every layer (nothing is fused).
+        """
+        started = time.perf_counter()
+        wanted = self.layers_of(members)
+        for name in sorted(self._touched - wanted):
+            self._restore(name)
+        self._touched &= wanted
+        try:
+            finite = []
+            for name in sorted(wanted):
+                self._touched.add(name)
+                finite.append(self._merge_layer(name, members))
+            # One check for every layer at the end (a device sync per layer would cost more than the merge).
+            if finite and not bool(torch.stack(finite).all()):
+                bad = next(name for name, ok in zip(sorted(wanted), finite) if not bool(ok))
+                raise _overflow_error(bad, members)
+        except BaseException:
+            self.restore()
+            raise
+        return (time.perf_counter() - started) * 1000.0
+
+    @torch.no_grad()
+    def restore(self) -> float:
+        """Every base weight back to its pristine W0; returns ms spent."""
+        started = time.perf_counter()
+        for name in sorted(self._touched):
+            self._restore(name)
+        self._touched.clear()
+        return (time.perf_counter() - started) * 1000.0
+
+    def holds_pristine(self) -> bool:
+        """Invariant check (tests): every base weight and bias equals its pristine copy bit for bit."""
+        return all(
+            torch.equal(layer.weight, self.pristine.weights[name])
+            and (layer.bias is None or torch.equal(layer.bias, self.pristine.biases[name]))
+            for name, layer in self.pristine.layers.items()
+        )
+
+    def _restore(self, name: str) -> None:
+        layer = self.pristine.layers[name]
+        layer.weight.copy_(self.pristine.weights[name])
+        if layer.bias is not None:
+            layer.bias.copy_(self.pristine.biases[name])
+
+    def _factor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self._device, non_blocking=True).to(torch.float32)
+
+    def _merge_layer(self, name: str, members: tuple[StackMember, ...]) -> torch.Tensor:
+        """Write W0 + the members' changes into one layer's base weight (and bias); returns whether the result is
+        finite, as a device tensor (read once for all layers)."""
+        layer = self.pristine.layers[name]
+        w0 = self.pristine.weights[name]
+        merged = self._sum[: w0.numel()].view(w0.shape)
+        merged.copy_(w0)
+        plain_b, plain_a, dora, biases = [], [], [], []
+        for adapter, scale in members:
+            factors = adapter.layers.get(name)
+            if factors is None:
+                continue
+            if factors.magnitude is None:
+                plain_b.append(self._factor(factors.b) * scale)
+                plain_a.append(self._factor(factors.a))
+            else:
+                dora.append((factors, scale))
+            if factors.bias is not None:
+                biases.append((factors.bias, scale))
+        if plain_b:
+            # A sum of LoRAs is one LoRA of their factors side by side: one product for the whole stack.
+            merged.addmm_(torch.cat(plain_b, dim=1), torch.cat(plain_a, dim=0))
+        for factors, scale in dora:
+            if self._dora is None or self._dora.numel() < w0.numel():
+                self._dora = torch.empty_like(self._sum)
+            directed = self._dora[: w0.numel()].view(w0.shape)
+            directed.copy_(w0)
+            directed.addmm_(self._factor(factors.b) * scale, self._factor(factors.a))
+            norm = torch.linalg.vector_norm(directed, dim=1)
+            directed.mul_((self._factor(factors.magnitude) / norm).unsqueeze(1))
+            merged.add_(directed).sub_(w0)
+        layer.weight.copy_(merged)
+        finite = torch.isfinite(layer.weight).all()
+        if biases and layer.bias is not None:
+            bias = self.pristine.biases[name].to(torch.float32)
+            for vector, scale in biases:
+                bias = bias + self._factor(vector) * scale
+            layer.bias.copy_(bias)
+            finite = finite & torch.isfinite(layer.bias).all()
+        return finite
+
+
+def _overflow_error(layer: str, members: tuple[StackMember, ...]) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"merging the adapter{'s' if len(members) > 1 else ''} into layer {layer} gives values the model's dtype "
+        "cannot hold; lower adapter_scale (or the stack's scales) or use another adapter",
+        reason=ErrorReason.ADAPTER_OUT_OF_RANGE,
+        field="adapter_scale" if len(members) == 1 else "adapters",
+    )

@@ -1,0 +1,84 @@
+"""What --fuse auto weighs, measured by the server on its own model at warm-up (see engine/fuse_policy.py).
+
+- A step's cost at each rank bucket the rule may choose and at the base model's graph: timed steps
+  of a default-size request, the median of the steady ones (the first step of a call is left out).
+- A merge's cost: two timed merges of random adapters over every slot layer, at the smallest bucket's
+  rank and at max rank, give the per-byte cost and the per-byte-and-rank cost (the factors' product);
+  the base weights are restored after each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+
+import torch
+
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+from loraswap.server.engine.fuse_policy import FuseCosts
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.types import GenerationRequest
+
+MEASURED_STEPS = 5  # per bucket: the first step of a call is left out, the median of the rest kept
+MEASURE_PROMPT = "a measured step"
+
+
+def measure_step_ms(runtime: DiffusionRuntime, bucket: int) -> float:
+    """The median ms of a steady denoising step at the default size, computing at `bucket` (0: the base model)."""
+    params = runtime.request_rules.resolve(
+        GenerationRequest(prompt=MEASURE_PROMPT, seed=0, num_inference_steps=MEASURED_STEPS)
+    )
+    ends: list[float] = []
+    with runtime.slot.computing_at(bucket):
+        runtime.generate(
+            params, (), on_step=lambda progress: ends.append(progress.elapsed_ms), is_cancelled=lambda: False
+        )
+    gaps = [later - earlier for earlier, later in itertools.pairwise(ends)]
+    return statistics.median(gaps) if gaps else ends[-1]
+
+
+def _random_adapter(runtime: DiffusionRuntime, rank: int) -> CanonicalAdapter:
+    """An adapter of `rank` over every slot layer, small random factors, stored as real ones are (host memory)."""
+    generator = torch.Generator().manual_seed(0)
+    layers = {}
+    for name, layer in runtime.slot.base_layers().items():
+        a = torch.randn(rank, layer.in_features, generator=generator).mul_(1e-3).to(runtime.dtype)
+        b = torch.randn(layer.out_features, rank, generator=generator).mul_(1e-3).to(runtime.dtype)
+        if runtime.device.type == "cuda":
+            a, b = a.pin_memory(), b.pin_memory()
+        layers[name] = CanonicalLayer(a=a, b=b)
+    return CanonicalAdapter(name=f"measured-rank-{rank}", source="warm-up", layers=layers, warnings=(), load_ms=0.0)
+
+
+def _timed_merge_ms(runtime: DiffusionRuntime, rank: int) -> float:
+    fused = runtime.slot.fused_weights
+    adapter = _random_adapter(runtime, rank)
+    with torch.inference_mode():
+        fused.merge(((adapter, 1.0),))  # the first merge also faults in the scratch memory: not timed
+        fused.restore()
+        if runtime.device.type == "cuda":
+            torch.cuda.synchronize(runtime.device)
+        started = time.perf_counter()
+        fused.merge(((adapter, 1.0),))
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        fused.restore()
+    return elapsed_ms
+
+
+def measure_fuse_costs(runtime: DiffusionRuntime, buckets: tuple[int, ...]) -> FuseCosts:
+    """Step costs at `buckets` (the base model's 0 among them) and the merge's cost model, both measured."""
+    step_ms = {bucket: measure_step_ms(runtime, bucket) for bucket in buckets}
+    low, high = runtime.slot.rank_buckets[0], runtime.slot.max_rank
+    weight_bytes = max(1, runtime.pristine_weight_bytes)
+    low_ms = _timed_merge_ms(runtime, low)
+    high_ms = _timed_merge_ms(runtime, high) if high > low else low_ms
+    per_byte_rank = max(0.0, (high_ms - low_ms) / (high - low)) / weight_bytes if high > low else 0.0
+    per_byte = max(0.0, low_ms / weight_bytes - low * per_byte_rank)
+    defaults = runtime.request_rules.defaults
+    return FuseCosts(
+        step_ms=step_ms,
+        measured_pixels=defaults.width * defaults.height,
+        merge_ms_per_byte=per_byte,
+        merge_ms_per_byte_rank=per_byte_rank,
+    )

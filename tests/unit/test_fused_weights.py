@@ -1,0 +1,194 @@
+"""Fused swaps on a real tiny-flux runtime: PEFT's own merge arithmetic as the reference, exact repeats, restores.
+
+The adapters are written by PEFT (plain, DoRA, a trained lora_B bias, a rank above the slot's); the reference is
+a fresh diffusers pipeline with the same file loaded by `load_lora_weights` and merged by `fuse_lora`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraswap.server.devtools.random_adapter import write_random_adapter
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer, load_canonical
+from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
+from loraswap.server.engine.config import EngineConfig
+from loraswap.server.engine.errors import InvalidRequestError, StartupError
+from loraswap.server.engine.models import builtin_model
+from loraswap.server.engine.pipeline.startup import start_runtime
+
+MAX_RANK = 16
+# name -> write_random_adapter keywords
+ADAPTERS = {
+    "plain": dict(rank=4, alpha=8.0, target_modules=("to_q", "to_k", "to_v", "to_out.0"), seed=1),
+    "mlp": dict(rank=8, alpha=8.0, target_modules=("ff.net.0.proj", "ff.net.2", "proj_mlp", "to_v"), seed=2),
+    "dora": dict(rank=4, alpha=4.0, target_modules=("to_q", "to_v", "proj_out"), seed=3, use_dora=True),
+    "bias": dict(rank=4, alpha=4.0, target_modules=("to_k", "ff.net.2"), seed=4, lora_bias=True),
+    "wide": dict(rank=2 * MAX_RANK, alpha=32.0, target_modules=("to_q", "to_out.0"), seed=5),
+}
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused-adapters")
+    pipe = builtin_model("tiny-flux").build()
+    for name, spec in ADAPTERS.items():
+        write_random_adapter(pipe, root / name, init_std=0.3, **spec)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return start_runtime(
+        EngineConfig(model="tiny-flux", max_rank=MAX_RANK, compile=False, warmup=False, torch_threads=1, fuse="always")
+    )
+
+
+@pytest.fixture(scope="module")
+def adapters(runtime, adapter_dir) -> dict[str, CanonicalAdapter]:
+    directory = LocalAdapterDirectory(adapter_dir)
+    return {name: load_canonical(directory.find(name), runtime.slot_spec()) for name in ADAPTERS}
+
+
+def _base_weights(denoiser: torch.nn.Module, names) -> dict[str, torch.Tensor]:
+    weights = {}
+    for name in names:
+        layer = denoiser.get_submodule(name)
+        base = getattr(layer, "base_layer", layer)
+        weights[name] = base.weight.detach().clone()
+        if base.bias is not None:
+            weights[name + ".bias"] = base.bias.detach().clone()
+    return weights
+
+
+def _peft_merged(adapter_dir, name: str, scale: float, layers) -> dict[str, torch.Tensor]:
+    """The base weights after diffusers' load_lora_weights + fuse_lora (PEFT's merge) on a fresh pipeline."""
+    pipe = builtin_model("tiny-flux").build()
+    pipe.load_lora_weights(str(adapter_dir / name))
+    pipe.fuse_lora(lora_scale=scale)
+    return _base_weights(pipe.transformer, layers)
+
+
+@pytest.mark.parametrize(("name", "scale"), [("plain", 1.0), ("plain", -0.7), ("mlp", 1.6), ("dora", 1.0),
+                                             ("dora", 0.5), ("bias", 0.8), ("wide", 1.0)])  # fmt: skip
+def test_a_fused_adapter_writes_what_peft_merges(runtime, adapters, adapter_dir, name, scale) -> None:
+    fused = runtime.slot.fused_weights
+    adapter = adapters[name]
+    assert adapter.fits_slot is (name in ("plain", "mlp"))
+    fused.merge(((adapter, scale),))
+    try:
+        ours = _base_weights(runtime.denoiser, runtime.slot.layer_names)
+    finally:
+        fused.restore()
+    expected = _peft_merged(adapter_dir, name, scale, runtime.slot.layer_names)
+    assert ours.keys() == expected.keys()
+    changed = [key for key in ours if not torch.equal(expected[key], fused.pristine.weights.get(key, expected[key]))]
+    assert changed, "the adapter must change some base weights"
+    for key, weight in ours.items():
+        torch.testing.assert_close(weight, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert fused.holds_pristine()
+
+
+def test_a_stack_fuses_as_the_sum_of_its_members(runtime, adapters) -> None:
+    fused = runtime.slot.fused_weights
+    members = ((adapters["plain"], 0.5), (adapters["mlp"], -1.2), (adapters["wide"], 0.8))
+    fused.merge(members)
+    stacked = _base_weights(runtime.denoiser, runtime.slot.layer_names)
+    for name, weight in stacked.items():
+        if name.endswith(".bias"):
+            continue
+        expected = fused.pristine.weights[name].clone()
+        for adapter, scale in members:
+            layer = adapter.layers.get(name)
+            if layer is not None:
+                expected += scale * layer.b.float() @ layer.a.float()
+        torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6)
+    fused.restore()
+    assert fused.holds_pristine()
+
+
+def test_every_merge_starts_from_the_pristine_weights_so_repeats_are_bit_identical(runtime, adapters) -> None:
+    fused = runtime.slot.fused_weights
+    layers = runtime.slot.layer_names
+    fused.merge(((adapters["dora"], 0.9),))
+    first = _base_weights(runtime.denoiser, layers)
+    sequence = [
+        ((adapters["plain"], 1.0),), ((adapters["bias"], 0.3), (adapters["mlp"], 1.0)), ((adapters["wide"], 1.0),),
+        (), ((adapters["dora"], 0.5),), ((adapters["plain"], 2.0), (adapters["dora"], 0.9)),
+    ]  # fmt: skip
+    for _ in range(3):
+        for members in sequence:
+            fused.merge(members)
+    fused.merge(((adapters["dora"], 0.9),))
+    again = _base_weights(runtime.denoiser, layers)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    # A merge touches only its own layers' weights: the previous ones are restored, the rest never written.
+    assert fused.touched == frozenset(adapters["dora"].layers)
+    fused.restore()
+    assert fused.holds_pristine()
+
+
+def test_a_merge_that_overflows_is_refused_and_leaves_the_pristine_weights() -> None:
+    runtime = start_runtime(
+        EngineConfig(model="tiny-flux", dtype="float16", max_rank=4, compile=False, warmup=False, torch_threads=1,
+                     fuse="always")
+    )  # fmt: skip
+    fused = runtime.slot.fused_weights
+    name = runtime.slot.layer_names[-1]
+    layer = runtime.slot.base_layers()[name]
+    # Each factor fits float16 (and lora_B at the largest strength), their product does not.
+    huge = CanonicalAdapter(
+        name="huge", source="test", warnings=(), load_ms=0.0,
+        layers={name: CanonicalLayer(a=torch.full((4, layer.in_features), 3000.0, dtype=torch.float16),
+                                     b=torch.full((layer.out_features, 4), 3000.0, dtype=torch.float16))},
+    )  # fmt: skip
+    small = CanonicalAdapter(
+        name="small", source="test", warnings=(), load_ms=0.0,
+        layers={name: CanonicalLayer(a=torch.full((4, layer.in_features), 0.01, dtype=torch.float16),
+                                     b=torch.full((layer.out_features, 4), 0.01, dtype=torch.float16))},
+    )  # fmt: skip
+    fused.merge(((small, 1.0),))
+    with pytest.raises(InvalidRequestError) as refused:
+        fused.merge(((huge, 1.0),))
+    assert refused.value.reason == "ADAPTER_OUT_OF_RANGE" and "adapter_scale" in refused.value.message
+    assert fused.holds_pristine() and fused.touched == frozenset()
+
+
+def test_the_slot_serves_fused_and_unfused_in_any_order_with_the_same_bits(runtime, adapters) -> None:
+    """Through the slot: an adapter fused, unfused and fused again, with the base model and stacks between."""
+    from loraswap.server.engine.types import GenerationRequest
+
+    params = runtime.request_rules.resolve(GenerationRequest(prompt="a lighthouse", seed=5, num_inference_steps=2))
+
+    def image(stack, fused):
+        return runtime.generate(params, stack, on_step=lambda _: None, is_cancelled=lambda: False, fused=fused)
+
+    plain = ((adapters["plain"], 0.8),)
+    first_fused, first_unfused = image(plain, True), image(plain, False)
+    base = image((), False)
+    assert first_fused.fused and not first_unfused.fused and not base.fused
+    dora = ((adapters["dora"], 1.0),)
+    stack = ((adapters["mlp"], 1.0), (adapters["plain"], 1.0))
+    for members, fused in [(dora, True), (plain, False), ((), False), (stack, True), (plain, True), (stack, False)]:
+        image(members, fused)
+    assert image(plain, True).data == first_fused.data
+    assert image(plain, False).data == first_unfused.data
+    assert image((), False).data == base.data
+    assert runtime.slot.fused_weights.holds_pristine()
+
+
+def test_pristine_copies_past_the_budget_are_refused_at_start_up_in_one_line() -> None:
+    with pytest.raises(StartupError) as refused:
+        start_runtime(
+            EngineConfig(model="tiny-flux", max_rank=4, compile=False, warmup=False, torch_threads=1, fuse="auto",
+                         fuse_memory_bytes=1000)
+        )  # fmt: skip
+    message = str(refused.value)
+    assert "--fuse-memory-bytes" in message and "--fuse never" in message and "\n" not in message
+
+
+def test_no_pristine_copies_without_fusing() -> None:
+    for config in (EngineConfig(model="tiny-flux", fuse="never"), EngineConfig(model="tiny-flux", quantize="int8wo")):
+        runtime = start_runtime(EngineConfig(**{**config.__dict__, "compile": False, "warmup": False}))
+        assert runtime.slot.fused_weights is None and runtime.describe()["fuse_pristine_bytes"] == 0
+        assert not runtime.slot_spec().fuse
