@@ -47,11 +47,11 @@ def worker(policy: str, steps: int) -> None:
 
     from loraswap.server.engine.config import EngineConfig
     from loraswap.server.engine.pipeline.cpu_threads import usable_cores
-    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.startup import start_runtime
     from loraswap.server.engine.types import GenerationRequest
 
     threads = {"old": usable_cores(), "new": None, "one": 1}[policy]
-    runtime = DiffusionRuntime(
+    runtime = start_runtime(
         EngineConfig(model="shapes", device="cpu", compile="none", warmup=False, torch_threads=threads)
     )
     params = runtime.request_rules.resolve(
@@ -97,7 +97,11 @@ def busy_core() -> subprocess.Popen:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cpu_sharing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="denoising steps per burst")
     parser.add_argument("--policies", default=",".join(POLICIES))

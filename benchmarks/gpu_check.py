@@ -1,12 +1,12 @@
 """The GPU check: FLUX.1-dev's full-depth transformer (random weights) served the way `loraswap serve` serves it.
 
-    python benchmarks/gpu_check.py                       # on an H100/H200: prints one JSON object
-    python benchmarks/gpu_check.py --variants none,bare --requests 4
-    python benchmarks/gpu_check.py --device cpu --layers 1 --size 64 --steps 2 --requests 2 --compile none  # smoke
+    python -m benchmarks.gpu_check                       # on an H100/H200: prints one JSON object
+    python -m benchmarks.gpu_check --variants none,bare --requests 4
+    python -m benchmarks.gpu_check --device cpu --layers 1 --size 64 --steps 2 --requests 2 --compile none  # smoke
 
 Each variant runs in a subprocess of its own (fresh GPU memory, fresh torch.compile state), one after the other:
 
-- `none` and `fp8`: the server's own DiffusionRuntime (the worker thread's object: slot, quantization, compile,
+- `none` and `fp8`: the server's own DiffusionRuntime, made by start_runtime (the worker thread's object: slot, quantization, compile,
   warm-up) on `random-flux` with a rank-64 slot, `--quantize none` / `fp8`; two rank-64 adapters over the slot's
   layers are read by the server's loader and swapped before EVERY request, alternating, over `--requests`
   generations at `--size`² and `--steps` steps. One untimed request at that size comes first: without
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: none, fp8, bare")
     parser.add_argument("--model", default="random-flux", help="built-in model (random-flux, random-sdxl, ...)")
     parser.add_argument("--layers", type=int, help="random-flux: double-stream blocks kept (default: full depth)")
@@ -141,11 +141,11 @@ def run_slot_variant(args: argparse.Namespace, quantize: str) -> dict:
     """The server's runtime with a slot: swap before every request, alternating two adapters."""
     from loraswap.server.engine.adapters.canonical import load_canonical
     from loraswap.server.engine.adapters.sources import AdapterFile
-    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.startup import start_runtime
     from loraswap.server.engine.types import GenerationRequest
 
     started = time.perf_counter()
-    runtime = DiffusionRuntime(_engine_config(args, quantize))
+    runtime = start_runtime(_engine_config(args, quantize))
     startup_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as folder:
         adapters = []
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         if left < 20:
             report["variants"][variant] = {"skipped": "the time limit was reached before it could start"}
             continue
-        command = [sys.executable, str(Path(__file__).resolve()), *child_args, "--variant", variant]
+        # The same spelling as the parent's, in its working directory and environment: benchmarks resolves alike.
+        command = [sys.executable, "-m", "benchmarks.gpu_check", *child_args, "--variant", variant]
         print(f"gpu_check: {variant} ({left:.0f} s left)", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:

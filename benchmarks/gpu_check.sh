@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, self-contained for an H100/H200 machine with no network:
 #
-#   benchmarks/gpu_check.sh [--wheels DIR] [--python PYTHON] [gpu_check.py options...]
+#   benchmarks/gpu_check.sh [--wheels DIR] [--python PYTHON] [options of python -m benchmarks.gpu_check...]
 #
 # --wheels DIR    install the wheels in DIR (diffusers, torchao, peft, ... carried by the caller) into a private
 #                 folder first, without the network and without touching the machine's packages; default: .whl
 #                 when that folder exists, else use what is installed
 # --python PATH   the interpreter that has a CUDA torch (default: python3)
-# Every other option goes to benchmarks/gpu_check.py (see its --help): by default the full-depth FLUX.1-dev
+# Every other option goes to python -m benchmarks.gpu_check (see its --help): by default the full-depth FLUX.1-dev
 # transformer at 1024², 28 steps, two rank-64 adapters alternating over 10 requests, for --quantize none and fp8
 # and without any slot, within 480 s. The last thing printed is one JSON object.
 set -euo pipefail
@@ -23,7 +23,7 @@ usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        -h|--help) usage; exec "$python" "$here/gpu_check.py" --help ;;
+        -h|--help) usage; PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m benchmarks.gpu_check --help ;;
         --wheels)
             [[ $# -ge 2 ]] || { echo "gpu_check.sh: --wheels needs a folder" >&2; exit 2; }
             wheels="$2"; shift 2 ;;
@@ -48,6 +48,7 @@ if [[ -n "$wheels" ]]; then
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     fi
 fi
-export PYTHONPATH="$root/server/src:$root/client/src${PYTHONPATH:+:$PYTHONPATH}"
+# $root for `-m benchmarks.gpu_check` from any working directory (relative --out paths stay the caller's).
+export PYTHONPATH="$root:$root/server/src:$root/client/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "$python" "$here/gpu_check.py" ${passthrough[@]+"${passthrough[@]}"}
+exec "$python" -m benchmarks.gpu_check ${passthrough[@]+"${passthrough[@]}"}

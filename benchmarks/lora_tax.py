@@ -30,10 +30,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from benchmarks.swap import build_pipeline, in_process_prelude, log, machine_info, random_lora_factors
+
+# torch is imported where it is used, so that `--help` starts without the seconds torch takes to import.
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "random-sdxl"
 DEFAULT_SIZE = 256
@@ -65,6 +68,8 @@ def _random_adapter(denoiser, layer_names: list[str], rank: int, seed: int):
 
 def _captured_inputs(pipe, traits, size: int) -> tuple[tuple, dict]:
     """The denoiser's positional and keyword inputs of the first step of a real pipeline call at `size`."""
+    import torch
+
     from loraswap.server.engine.models import generation_defaults
 
     captured = {}
@@ -108,6 +113,8 @@ def _diffusers_state_dict(denoiser, layer_names: list[str], rank: int) -> dict[s
 
 def measure(pipe, traits, args, quantization: str) -> dict:
     """Build the three copies, compile each, then time every variant interleaved; one result dict."""
+    import torch
+
     from loraswap.server.engine.adapters.slot import HotswapSlot
     from loraswap.server.engine.pipeline.compile import CountingBackend
     from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
@@ -214,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the JSON result as the last line of stdout, and return it."""
     args = parse_args(argv)
     in_process_prelude(args.threads)
+    import torch
+
     from loraswap.server.engine.config import EngineConfig
     from loraswap.server.engine.families import family_of
 

@@ -5,8 +5,8 @@ arriving faster than the server drains them) against two real servers, one
 with --max-bypass 0 (FIFO) and one with the adapter-aware policy, and prints
 one JSON object: adapter swaps made, and p50/p99/max queue waits, per policy.
 
-    python benchmarks/queue_policy.py                      # defaults
-    python benchmarks/queue_policy.py --requests 200 --adapters 50 --max-bypass 4
+    python -m benchmarks.queue_policy                      # defaults
+    python -m benchmarks.queue_policy --requests 200 --adapters 50 --max-bypass 4
 """
 
 from __future__ import annotations
@@ -116,7 +116,11 @@ async def main_async(args) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.queue_policy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="tiny-flux")
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--adapters", type=int, default=50)

@@ -135,7 +135,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaleout", description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline of each call, seconds")

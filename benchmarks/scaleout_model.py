@@ -152,7 +152,7 @@ def summarise(policy: Policy, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaleout_model", description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
     parser.add_argument("--weight", type=int, default=100)
     parser.add_argument("--rings", type=int, default=60, help="random rings (and request sequences) per policy")

@@ -172,11 +172,11 @@ def measure_direct(args, model: str, adapter_dir: Path) -> dict:
 
     from loraswap.server.engine.adapters.canonical import load_canonical
     from loraswap.server.engine.adapters.sources import AdapterFile
-    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+    from loraswap.server.engine.pipeline.startup import start_runtime
     from loraswap.server.engine.types import GenerationRequest
 
     started = time.perf_counter()
-    runtime = DiffusionRuntime(engine_config(args, model, adapter_dir))
+    runtime = start_runtime(engine_config(args, model, adapter_dir))
     ready_s = time.perf_counter() - started
     path = adapter_dir / adapter_name(0) / "pytorch_lora_weights.safetensors"
     adapter = load_canonical(AdapterFile(adapter_name(0), path, "local"), runtime.slot_spec())

@@ -154,7 +154,11 @@ def measure_kind(args, kind: str, workdir: Path) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.startup",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="tiny-sdxl")
     parser.add_argument("--kinds", default="none,full,regional", help="comma-separated --compile kinds")
     parser.add_argument("--threads", type=int, default=1, help="the servers' --torch-threads")

@@ -29,8 +29,12 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# torch is imported where it is used, so that `--help` (and a script that imports this module's helpers) starts
+# in a fraction of a second instead of the seconds torch takes to import.
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "random-sdxl"
 DEFAULT_RANK = 32
@@ -94,6 +98,7 @@ def machine_info() -> dict[str, object]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     import diffusers
     import peft
+    import torch
 
     return {
         "cpu": cpu,
@@ -122,6 +127,8 @@ def build_pipeline(model: str, dtype: torch.dtype, layers: int | None):
 def random_lora_factors(denoiser, layer_names: list[str], rank: int, seed: int):
     """(layer name, lora_A, lora_B) for each layer: random rank-`rank` factors in the denoiser's dtype, A scaled
     by 1/sqrt(in_features), B small, so the adapter changes the image without blowing it up."""
+    import torch
+
     generator = torch.Generator("cpu").manual_seed(seed)
     for name in layer_names:
         layer = denoiser.get_submodule(name)
@@ -241,6 +248,8 @@ class SwapBench:
 
     def install_slot(self) -> float:
         """Put loraswap's max-rank placeholder on the layers (start-up work, like the server's); returns seconds."""
+        import torch
+
         from loraswap.server.engine.adapters.slot import HotswapSlot
 
         started = time.perf_counter()
@@ -255,6 +264,8 @@ class SwapBench:
         return load_canonical(AdapterFile(name=path.parent.name, path=path, source="local"), self.spec)
 
     def loraswap_cold(self, pair):
+        import torch
+
         def swap(path):
             with torch.inference_mode():
                 self.slot.load(self._load_canonical(path), 1.0)
@@ -263,6 +274,8 @@ class SwapBench:
 
     def loraswap_stack(self, pair):
         """`HotswapSlot.load_stack` of canonical adapters in host memory: the cache to a whole stack ready."""
+        import torch
+
         for stack in pair:
             for path in stack:
                 self.canonical.setdefault(str(path), self._load_canonical(path))
@@ -275,6 +288,8 @@ class SwapBench:
         return self.measure(pair, swap, swap)
 
     def loraswap_warm(self, pair):
+        import torch
+
         # The host-memory cache holds canonical adapters; a warm swap starts from one of them.
         for path in pair:
             self.canonical.setdefault(str(path), self._load_canonical(path))
@@ -290,6 +305,8 @@ class SwapBench:
 
     def floor_copy(self, pair):
         """copy_ of the adapter's own tensors (canonical form) into preallocated tensors of the same shapes."""
+        import torch
+
         sources = {}
         for item in pair:
             paths = item if isinstance(item, tuple) else (item,)  # a stack: all its members' tensors
@@ -315,6 +332,7 @@ class SwapBench:
 
     def floor_read_copy(self, pair):
         """safetensors.torch.load_file of the adapter file plus the floor copy of its tensors."""
+        import torch
         from safetensors.torch import load_file
 
         targets = {path: {k: torch.zeros_like(v) for k, v in load_file(str(path)).items()} for path in pair}
@@ -336,6 +354,8 @@ class SwapBench:
         Returns the graphs compiled after the first run: a swap that changed a
         shape, a dtype or a guarded attribute would show up here.
         """
+        import torch
+
         from loraswap.server.engine.pipeline.compile import CountingBackend
 
         counter = CountingBackend(backend)
@@ -405,6 +425,7 @@ def ratios(paths: dict[str, dict]) -> dict[str, float | None]:
 
 
 def _file_tensor_bytes(path: Path) -> int:
+    import torch
     from safetensors import safe_open
 
     total = 0
@@ -464,6 +485,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def in_process_prelude(threads: int) -> None:
     """What a benchmark that runs the engine in its own process sets first: torch's CPU threads, no Hub access,
     and quiet diffusers and dynamo (whose notes on diffusers' code say nothing about swaps)."""
+    import torch
+
     torch.set_num_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import diffusers
@@ -476,6 +499,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the JSON result as the last line of stdout, and return it."""
     args = parse_args(argv)
     in_process_prelude(args.threads)
+    import torch
+
     from loraswap.server.engine.families import family_of
     from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 

@@ -1,4 +1,4 @@
-"""benchmarks/queue_policy.py runs on the tiny model and prints well-formed JSON."""
+"""python -m benchmarks.queue_policy runs on the tiny model and prints well-formed JSON."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_queue_policy_benchmark_prints_its_figures():
     completed = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "queue_policy.py"), "--requests", "24", "--adapters", "6",
-         "--steps", "2"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [sys.executable, "-m", "benchmarks.queue_policy", "--requests", "24", "--adapters", "6", "--steps", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     for policy in ("fifo", "adapter_aware"):
