@@ -58,7 +58,9 @@ class AdminRequiredError(EngineError):
 
 
 def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode("ascii", errors="surrogateescape")).digest()
+    # Listed tokens are ASCII; a presented one holds whatever gRPC decoded (UTF-8, or Latin-1 where the bytes are
+    # not UTF-8), and must digest, to match nothing, rather than raise.
+    return hashlib.sha256(token.encode("utf-8", errors="surrogatepass")).digest()
 
 
 def parse_token_file(text: str, source: str) -> dict[bytes, Role]:

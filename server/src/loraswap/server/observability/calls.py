@@ -9,8 +9,18 @@ from dataclasses import dataclass, field
 from loraswap.server.engine.types import Timings
 
 REQUEST_ID_KEY = "x-request-id"
+# The short names of DiffusionService's RPCs (tests/unit/test_rpc_methods.py keeps them equal to the contract's).
+RPC_METHODS = ("Generate", "ListAdapters", "GetServerInfo", "PreloadAdapter", "Evict")
+# What a call to any other method path under the service counts and logs as: a caller picks the path, so its
+# name would make the metrics' `method` label (and the log) as big as the caller likes.
+UNKNOWN_METHOD = "unknown"
 # A caller's request id is kept when it is this short and printable; otherwise the server makes one.
 MAX_REQUEST_ID_CHARS = 128
+
+
+def method_name(rpc: str) -> str:
+    """The name a call to `rpc` (the last part of its method path) is counted and logged under."""
+    return rpc if rpc in RPC_METHODS else UNKNOWN_METHOD
 
 
 def request_id_from(sent: str | None) -> str:
@@ -24,7 +34,7 @@ def request_id_from(sent: str | None) -> str:
 class CallRecord:
     """A DiffusionService call, filled in while it runs and handed to the observers when it ends."""
 
-    method: str  # the RPC's short name: Generate, PreloadAdapter, ...
+    method: str  # the RPC's short name (Generate, PreloadAdapter, ...), or UNKNOWN_METHOD
     request_id: str
     started_unix_ns: int = field(default_factory=time.time_ns)
     started: float = field(default_factory=time.perf_counter)

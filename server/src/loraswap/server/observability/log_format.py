@@ -1,12 +1,17 @@
-"""The server's log lines: readable text (default) or one JSON object per line (python-json-logger).
+r"""The server's log lines: readable text (default) or one JSON object per line (python-json-logger).
 
 Log calls pass their structured fields as `extra`; JSON puts each at the top level of the object, text appends
-them to the line as `key=value` (quoted when they hold spaces), so both formats carry the same facts.
+them to the line as `key=value`, so both formats carry the same facts.
+
+Values come from callers (adapter names, prompts, method paths), so text lines escape them: in the message and
+in every value, a character that is not printable (a newline, ESC and the rest of C0 and C1, DEL, U+2028, a
+bidi override, a space other than ' ') is written as JSON writes it (`\n`, `\u001b`), and a value holding
+such a character, a space, `"`, `=` or a backslash, or none at all, is written as a JSON string. One record is one
+line (a traceback follows it on lines of its own), and a value reads back with `json.loads`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
@@ -24,15 +29,47 @@ def extra_fields(record: logging.LogRecord) -> dict[str, object]:
     return {key: value for key, value in record.__dict__.items() if key not in _RECORD_ATTRIBUTES}
 
 
+_SHORT_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+
+
+def _escape(char: str) -> str:
+    if char in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[char]
+    code = ord(char)
+    if code > 0xFFFF:  # as JSON writes it: a surrogate pair
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"
+
+
+def escaped(text: str) -> str:
+    """`text` with each character that is not printable written as a JSON escape: it stays on one line, and
+    writes nothing a terminal would act on."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escape(char) for char in text)
+
+
+def _json_string(text: str) -> str:
+    # Not json.dumps: with ensure_ascii=False it leaves DEL, C1 controls and U+2028 as they are.
+    return '"' + "".join(_escape(char) if char in '"\\' or not char.isprintable() else char for char in text) + '"'
+
+
 def _text_value(value: object) -> str:
     text = ",".join(str(item) for item in value) if isinstance(value, (list, tuple)) else str(value)
-    if text == "" or any(char.isspace() or char in '"=' for char in text):
-        return json.dumps(text, ensure_ascii=False)
-    return text
+    if text and text.isprintable() and not any(char in ' "=\\' for char in text):
+        return text
+    return _json_string(text)
 
 
 class KeyValueFormatter(logging.Formatter):
-    """The usual text line, followed by the record's `extra` fields as key=value pairs."""
+    """The usual text line, its message escaped, followed by the record's `extra` fields as key=value pairs."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.message.isprintable():
+            return super().formatMessage(record)
+        # A copy, so that other handlers of the record still see its message as it was.
+        return super().formatMessage(logging.makeLogRecord({**record.__dict__, "message": escaped(record.message)}))
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)

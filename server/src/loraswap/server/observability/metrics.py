@@ -3,13 +3,20 @@
 Counters and histograms are fed as things happen (the engine's observer, the end of each call). Levels (queue
 depth, cache bytes and entries) and the recompilation count are read from the engine when scraped, through
 `DiffusionEngine.gauges()`, which takes only short locks: a scrape never waits for a denoising step.
+
+Every labelled series whose labels are known in advance (each RPC with code OK, each RPC's duration, each swap
+path, each ErrorInfo reason) exists from the start, at zero, so `rate()` and alerts see a fresh replica; only
+the per-adapter counter waits for names, which are not known in advance.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
+import sys
 import threading
-from collections.abc import Callable
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,13 +24,17 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from loraswap.server.engine.errors import ErrorReason
 from loraswap.server.engine.observer import EngineGauges, EngineObserver, SwapPath
-from loraswap.server.observability.calls import CallRecord
+from loraswap.server.observability.calls import RPC_METHODS, CallRecord
+
+log = logging.getLogger(__name__)
 
 OTHER_ADAPTERS = "_other"
 DEFAULT_MAX_ADAPTER_LABELS = 100
@@ -65,6 +76,50 @@ class _EngineLevels(Collector):
             for family, field in families:
                 family.add_metric([], getattr(gauges, field))
         return [family for family, _ in families]
+
+
+class _QuietRequestHandler(WSGIRequestHandler):
+    """wsgiref's request handler, without its line on stderr for every request (as prometheus-client's own)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class MetricsHTTPServer(ThreadingWSGIServer):
+    """prometheus-client's threaded WSGI server, whose failed connections are logged in one line.
+
+    http.server answers an oversized request line (414) or header (431) itself; what socketserver does when a
+    connection then fails (a reset, a broken pipe) is print a plain traceback on stderr, into a JSON log too.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        # The family the host needs ("::" is IPv6); socketserver's default is IPv4 only.
+        (family, *_), *_ = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        self.address_family = family
+        super().__init__((host, port), _QuietRequestHandler)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        error = sys.exc_info()[1]
+        client = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+        if isinstance(error, OSError):
+            # The client reset, closed or stalled its connection: its doing, nothing to debug here.
+            log.info("a metrics client's connection failed: %s", error, extra={"client": client})
+        else:
+            log.error("a metrics request failed", exc_info=error, extra={"client": client})
+
+
+def _logging_failures(app: Callable) -> Callable:
+    """prometheus-client's WSGI app, with a failure to collect logged (wsgiref would print it on stderr)."""
+
+    def metrics_app(environ, start_response) -> Iterable[bytes]:
+        try:
+            return app(environ, start_response)
+        except Exception:
+            log.exception("could not collect the metrics for a scrape")
+            start_response("500 Internal Server Error", [("Content-Type", "text/plain; charset=utf-8")], sys.exc_info())
+            return [b"could not collect the metrics; the server's log says why\n"]
+
+    return metrics_app
 
 
 class MetricsEngineObserver(EngineObserver):
@@ -155,13 +210,21 @@ class ServerMetrics:
             "loraswap_build_info", "1, labelled with the server's version and its model.",
             ["version", "model", "family", "dtype", "device"], registry=r,
         )  # fmt: skip
+        # The series known in advance, at zero from the start (see the module's docstring).
+        for method in RPC_METHODS:
+            self.requests.labels(method=method, code="OK")
+            self.request_seconds.labels(method=method)
+        for path in SwapPath:
+            self.swap_seconds.labels(path=path.value)
+        for reason in ErrorReason:
+            self.errors.labels(reason=reason.value)
         self._max_adapter_labels = max_adapter_labels
         self._adapter_labels: set[str] = set()
         self._labels_lock = threading.Lock()
         self._levels: Callable[[], EngineGauges] | None = None
         r.register(_EngineLevels(lambda: self._levels() if self._levels is not None else None))
         self.engine_observer = MetricsEngineObserver(self)
-        self._http: WSGIServer | None = None
+        self._http: MetricsHTTPServer | None = None
         self._http_thread: threading.Thread | None = None
 
     def read_levels_from(self, levels: Callable[[], EngineGauges]) -> None:
@@ -192,7 +255,10 @@ class ServerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over HTTP on a thread of its own; returns the port bound (`port` 0: the OS picks)."""
-        self._http, self._http_thread = start_http_server(port, addr=host.strip("[]"), registry=self.registry)
+        self._http = MetricsHTTPServer(host.strip("[]"), port)
+        self._http.set_app(_logging_failures(make_wsgi_app(self.registry)))
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True)
+        self._http_thread.start()
         return self._http.server_port
 
     def close(self) -> None:

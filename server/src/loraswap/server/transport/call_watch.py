@@ -4,7 +4,10 @@ A grpc.aio server interceptor, outermost, so that calls the token check refuses 
 It wraps each handler: before the call it picks the request id (the caller's `x-request-id`, or a new one)
 and notes what was asked; it reads the Generate stream as it passes (steps, the image's size, timings and
 adapters); when the call ends, however it ends, it hands the record to ServerObservers (metrics, access
-log, traces). Health and reflection calls are not watched.
+log, traces). Health and reflection calls are not watched. A call to a method path the service does not have
+(which only the token check's refusal answers) is recorded as UNKNOWN_METHOD.
+
+It also keeps call metadata out of gRPC's own log (see MetadataValueRedaction).
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from loraswap.server.engine.types import Timings
-from loraswap.server.observability.calls import REQUEST_ID_KEY, CallRecord, request_id_from
+from loraswap.server.observability.calls import REQUEST_ID_KEY, CallRecord, method_name, request_id_from
 from loraswap.server.observability.observers import ServerObservers
 from loraswap.server.transport import convert
 from loraswap.server.transport.servicer import DIFFUSION_SERVICE, UndecodableRequest
@@ -27,6 +31,32 @@ from loraswap.v1 import diffusion_service_pb2 as pb
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# gRPC's Python logger. A metadata value (or method path) that is not UTF-8 is logged there whole, with a
+# traceback, as "Invalid encoding on b'...'", before any interceptor sees the call: `Bearer <token>` and one
+# stray byte put the token in the server's log.
+GRPC_LOGGER = "grpc._cython.cygrpc"
+
+
+class MetadataValueRedaction(logging.Filter):
+    """Keeps gRPC's lines about undecodable bytes, but not the bytes (a credential, perhaps) or the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if any(isinstance(arg, (bytes, bytearray)) for arg in args):
+            record.args = tuple(
+                f"<{len(arg)} bytes, not logged>" if isinstance(arg, (bytes, bytearray)) else arg for arg in args
+            )
+            if record.exc_info is not None and isinstance(record.exc_info[1], UnicodeError):
+                record.exc_info = None
+                record.exc_text = None
+        return True
+
+
+def redact_metadata_in_grpc_log() -> None:
+    """Install MetadataValueRedaction on gRPC's logger, once per process."""
+    grpc_log = logging.getLogger(GRPC_LOGGER)
+    if not any(isinstance(existing, MetadataValueRedaction) for existing in grpc_log.filters):
+        grpc_log.addFilter(MetadataValueRedaction())
 
 
 class _WatchedContext:
@@ -118,6 +148,9 @@ class CallWatchInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, observers: ServerObservers) -> None:
         self.observers = observers
+        # Here because every server has this interceptor, with or without tokens: a client may send its token
+        # to a server that does not ask for one.
+        redact_metadata_in_grpc_log()
 
     async def intercept_service(
         self,
@@ -125,9 +158,10 @@ class CallWatchInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        service, _, rpc = handler_call_details.method.lstrip("/").rpartition("/")
         if handler is None or service != DIFFUSION_SERVICE.full_name:
             return handler
+        method = method_name(rpc)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary),

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from loraswap.server.access import AccessTokens, Role
 from loraswap.server.engine.errors import EngineError
+from loraswap.server.observability.calls import UNKNOWN_METHOD, method_name
 from loraswap.server.transport.errors import to_rpc_status
 from loraswap.server.transport.servicer import DIFFUSION_SERVICE
 
@@ -39,6 +40,13 @@ def role_needed(method: str) -> Role | None:
     if service == DIFFUSION_SERVICE.full_name:
         return ROLE_FOR_RPC.get(rpc, Role.ADMIN)
     return Role.ADMIN
+
+
+def _logged_method(method: str) -> str:
+    """The RPC's short name, or UNKNOWN_METHOD: the caller writes the path, which may be any length and hold
+    anything, a newline included."""
+    service, _, rpc = method.lstrip("/").rpartition("/")
+    return method_name(rpc) if service == DIFFUSION_SERVICE.full_name else UNKNOWN_METHOD
 
 
 def _authorization(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
@@ -81,6 +89,6 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             self.tokens.authorize(_authorization(handler_call_details.invocation_metadata), needed)
         except EngineError as error:
             # The reason only: the token itself is never logged.
-            log.info("refused %s: %s", handler_call_details.method, error.reason)
+            log.info("refused %s: %s", _logged_method(handler_call_details.method), error.reason)
             return _refusal(await continuation(handler_call_details), error)
         return await continuation(handler_call_details)

@@ -1,0 +1,57 @@
+"""A fresh `shapes` server's /metrics, before any call: every family the README lists, with its known series at 0.
+
+Prometheus advises exporting every known series from the start: a labelled series that appears only with its
+first event leaves `rate()` and alerts blind on a fresh replica. Only the per-adapter counter waits, since its
+adapter names are not known in advance.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loraswap.server.app import start_server
+from loraswap.server.engine.errors import ErrorReason
+from loraswap.v1 import diffusion_service_pb2 as pb
+from tests.integration.test_metrics import EXPOSED, key, metrics_settings, scrape
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CONTRACT_RPCS = [method.name for method in pb.DESCRIPTOR.services_by_name["DiffusionService"].methods]
+SWAP_PATHS = ("cold", "warm")
+# The family whose series wait for what they are labelled with: adapter names.
+WAITING = {"loraswap_adapter_requests_total"}
+
+
+async def test_a_fresh_server_exports_every_known_series_at_zero() -> None:
+    running = await start_server(metrics_settings())
+    try:
+        samples = await scrape(running.metrics_port)
+    finally:
+        await running.stop(1.0)
+    zero = [
+        *(key("loraswap_requests_total", method=rpc, code="OK") for rpc in CONTRACT_RPCS),
+        *(key("loraswap_request_seconds_count", method=rpc) for rpc in CONTRACT_RPCS),
+        *(key("loraswap_request_seconds_bucket", method=rpc, le="+Inf") for rpc in CONTRACT_RPCS),
+        *(key("loraswap_adapter_swap_seconds_count", path=path) for path in SWAP_PATHS),
+        *(key("loraswap_adapter_swap_seconds_bucket", path=path, le="+Inf") for path in SWAP_PATHS),
+        *(key("loraswap_errors_total", reason=reason.value) for reason in ErrorReason),
+        key("loraswap_queue_depth"),
+        key("loraswap_queue_wait_seconds_count"),
+        key("loraswap_step_seconds_count"),
+        key("loraswap_images_total"),
+        key("loraswap_adapter_swaps_total"),
+        key("loraswap_adapter_load_seconds_count"),
+        key("loraswap_adapter_cache_hits_total"),
+        key("loraswap_adapter_cache_misses_total"),
+        key("loraswap_adapter_evictions_total"),
+        key("loraswap_recompilations_total"),
+    ]
+    assert {series: samples.get(series) for series in zero} == dict.fromkeys(zero, 0.0)
+    # Every listed family has samples, the cache levels as the engine reads them.
+    families = {name for name, _ in samples}
+    for family, kind in EXPOSED.items():
+        names = {f"{family}_count"} if kind == "histogram" else {family}
+        assert (names <= families) == (family not in WAITING), family
+    assert samples[key("loraswap_adapter_cache_entries")] >= 0 and samples[key("loraswap_adapter_cache_bytes")] >= 0
+    (build,) = [value for (name, _), value in samples.items() if name == "loraswap_build_info"]
+    assert build == 1
