@@ -39,6 +39,8 @@ OPTIONS = [
      Settings(engine=_engine(compile_backend="aot_eager"))),
     ("--compile-mode", "LORASWAP_COMPILE_MODE", "max-autotune", Settings(engine=_engine(compile_mode="max-autotune"))),
     ("--quantize", "LORASWAP_QUANTIZE", "int8wo", Settings(engine=_engine(quantize="int8wo"))),
+    ("--fuse", "LORASWAP_FUSE", "always", Settings(engine=_engine(fuse="always"))),
+    ("--fuse-memory-bytes", "LORASWAP_FUSE_MEMORY_BYTES", "4000", Settings(engine=_engine(fuse_memory_bytes=4000))),
     ("--compile-cache", "LORASWAP_COMPILE_CACHE", "/var/cache/loraswap",
      Settings(engine=_engine(compile_cache=Path("/var/cache/loraswap")))),
     ("--device", "LORASWAP_DEVICE", "cuda:1", Settings(engine=_engine(device="cuda:1"))),
@@ -169,7 +171,7 @@ def test_environment_sets_the_default(flag: str, env: str, text: str, expected: 
 @pytest.mark.parametrize(("flag", "env", "text", "expected"), OPTIONS, ids=[o[0] for o in OPTIONS])
 def test_flag_overrides_environment(flag: str, env: str, text: str, expected: Settings) -> None:
     other = {"--port": "7", "--max-rank": "8", "--max-stack": "9", "--max-adapter-bytes": "9", "--adapter-cache-bytes": "9",
-             "--max-queue": "9", "--max-bypass": "9", "--layers": "9", "--max-size": "9", "--torch-threads": "9", "--grace-seconds": "9.0"}  # fmt: skip
+             "--max-queue": "9", "--max-bypass": "9", "--fuse-memory-bytes": "9", "--layers": "9", "--max-size": "9", "--torch-threads": "9", "--grace-seconds": "9.0"}  # fmt: skip
     assert _settings([flag, text], {env: other.get(flag, "from-environment")}) == expected
 
 
@@ -247,3 +249,22 @@ def test_settings_are_frozen() -> None:
         settings.port = 1  # type: ignore[misc]
     with pytest.raises(AttributeError):
         settings.engine.max_rank = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--fuse", "always", "--quantize", "int8wo"], "--fuse auto"),
+        (["--fuse-memory-bytes", "-1"], "--fuse-memory-bytes"),
+    ],
+)
+def test_fuse_settings_the_engine_cannot_run_are_refused_in_one_line(argv: list[str], named: str) -> None:
+    with pytest.raises(SettingsError) as refused:
+        _settings(argv)
+    assert named in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_fuse_defaults_to_auto_and_is_one_of_three() -> None:
+    assert _settings([]).engine.fuse == "auto"
+    with pytest.raises(SystemExit):
+        _settings(["--fuse", "sometimes"])
