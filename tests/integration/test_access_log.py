@@ -115,6 +115,7 @@ async def test_generate_access_line_carries_its_fields_in_both_formats(stub, kep
             "size": f"{image.width}x{image.height}",
         }  # fmt: skip
         assert int(fields["steps"]) == 2
+        assert str(fields["fused"]).lower() == str(image.fused).lower()  # as the image says (JSON true, text True)
         timings = (image.timings.queue_ms, image.timings.adapter_load_ms, image.timings.adapter_swap_ms,
                    image.timings.denoise_ms, image.timings.decode_ms)  # fmt: skip
         for field, ms in zip(TIMING_FIELDS, timings):

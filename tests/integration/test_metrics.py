@@ -120,6 +120,9 @@ async def test_a_cold_load_a_swap_an_eviction_and_refusals_change_exactly_their_
         await client.generate_image(PROMPT, adapter="no-such-adapter", num_inference_steps=STEPS)
     after = await scrape(running.metrics_port)
 
+    # Each swap counts under the mode the server chose for it (--fuse auto), as its image says.
+    cold_mode, warm_mode = ("fused" if image.fused else "unfused" for image in (cold, warm))
+    swaps_by_mode = {mode: [cold_mode, warm_mode].count(mode) for mode in {cold_mode, warm_mode}}
     assert deltas(before, after) == {
         key("loraswap_requests_total", method="Generate", code="OK"): 2,
         key("loraswap_requests_total", method="Evict", code="OK"): 1,
@@ -130,9 +133,9 @@ async def test_a_cold_load_a_swap_an_eviction_and_refusals_change_exactly_their_
         key("loraswap_queue_wait_seconds_count"): 2,
         key("loraswap_step_seconds_count"): 2 * STEPS,
         key("loraswap_images_total"): 2,
-        key("loraswap_adapter_swaps_total"): 2,
-        key("loraswap_adapter_swap_seconds_count", path="cold"): 1,
-        key("loraswap_adapter_swap_seconds_count", path="warm"): 1,
+        **{key("loraswap_adapter_swaps_total", mode=mode): count for mode, count in swaps_by_mode.items()},
+        key("loraswap_adapter_swap_seconds_count", path="cold", mode=cold_mode): 1,
+        key("loraswap_adapter_swap_seconds_count", path="warm", mode=warm_mode): 1,
         key("loraswap_adapter_load_seconds_count"): 1,
         key("loraswap_adapter_cache_misses_total"): 2,  # swap-colors, then the unknown name
         key("loraswap_adapter_cache_hits_total"): 1,
@@ -142,7 +145,10 @@ async def test_a_cold_load_a_swap_an_eviction_and_refusals_change_exactly_their_
         key("loraswap_adapter_requests_total", adapter="swap-colors"): 2,
     }
     # Every observation fell in some bucket: +Inf counts what _count counts.
-    for name, labels in (("loraswap_adapter_swap_seconds", {"path": "cold"}), ("loraswap_step_seconds", {})):
+    for name, labels in (
+        ("loraswap_adapter_swap_seconds", {"path": "cold", "mode": cold_mode}),
+        ("loraswap_step_seconds", {}),
+    ):
         inf = after[key(f"{name}_bucket", le="+Inf", **labels)] - before.get(
             key(f"{name}_bucket", le="+Inf", **labels), 0
         )
@@ -150,6 +156,9 @@ async def test_a_cold_load_a_swap_an_eviction_and_refusals_change_exactly_their_
     # The load took what the image's timings say it took.
     load_sum = after[key("loraswap_adapter_load_seconds_sum")] - before.get(key("loraswap_adapter_load_seconds_sum"), 0)
     assert load_sum == pytest.approx(cold.timings.adapter_load_ms / 1000.0, rel=1e-6)
+
+
+PATH_COLD_UNFUSED = {"path": "cold", "mode": "unfused", "le": ""}
 
 
 async def test_exposed_names_types_labels_and_buckets(served):
@@ -174,7 +183,7 @@ async def test_exposed_names_types_labels_and_buckets(served):
     swap_bounds = sorted(
         float(dict(labels)["le"])
         for name, labels in samples
-        if name == "loraswap_adapter_swap_seconds_bucket" and dict(labels)["path"] == "cold"
+        if name == "loraswap_adapter_swap_seconds_bucket" and dict(labels) | {"le": ""} == PATH_COLD_UNFUSED
     )
     assert swap_bounds[0] == 0.0001 and swap_bounds[-2] == 10.0
     request_bounds = sorted(

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 CONTRACT_RPCS = [method.name for method in pb.DESCRIPTOR.services_by_name["DiffusionService"].methods]
 SWAP_PATHS = ("cold", "warm")
+SWAP_MODES = ("fused", "unfused")
 # The family whose series wait for what they are labelled with: adapter names.
 WAITING = {"loraswap_adapter_requests_total"}
 
@@ -32,14 +33,22 @@ async def test_a_fresh_server_exports_every_known_series_at_zero() -> None:
         *(key("loraswap_requests_total", method=rpc, code="OK") for rpc in CONTRACT_RPCS),
         *(key("loraswap_request_seconds_count", method=rpc) for rpc in CONTRACT_RPCS),
         *(key("loraswap_request_seconds_bucket", method=rpc, le="+Inf") for rpc in CONTRACT_RPCS),
-        *(key("loraswap_adapter_swap_seconds_count", path=path) for path in SWAP_PATHS),
-        *(key("loraswap_adapter_swap_seconds_bucket", path=path, le="+Inf") for path in SWAP_PATHS),
+        *(
+            key("loraswap_adapter_swap_seconds_count", path=path, mode=mode)
+            for path in SWAP_PATHS
+            for mode in SWAP_MODES
+        ),
+        *(
+            key("loraswap_adapter_swap_seconds_bucket", path=path, mode=mode, le="+Inf")
+            for path in SWAP_PATHS
+            for mode in SWAP_MODES
+        ),
+        *(key("loraswap_adapter_swaps_total", mode=mode) for mode in SWAP_MODES),
         *(key("loraswap_errors_total", reason=reason.value) for reason in ErrorReason),
         key("loraswap_queue_depth"),
         key("loraswap_queue_wait_seconds_count"),
         key("loraswap_step_seconds_count"),
         key("loraswap_images_total"),
-        key("loraswap_adapter_swaps_total"),
         key("loraswap_adapter_load_seconds_count"),
         key("loraswap_adapter_cache_hits_total"),
         key("loraswap_adapter_cache_misses_total"),

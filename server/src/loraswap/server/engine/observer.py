@@ -22,6 +22,13 @@ class SwapPath(enum.Enum):
     COLD = "cold"  # the request had to read, convert and validate at least one of them first
 
 
+class SwapMode(enum.Enum):
+    """How a swap applied its adapters (--fuse)."""
+
+    FUSED = "fused"  # merged into the base weights
+    UNFUSED = "unfused"  # copied into the swap slot (and the base model: the LoRA branch skipped)
+
+
 @dataclass(frozen=True)
 class EngineGauges:
     """Levels of the engine at one moment, each read under at most one short lock (never one held over a step)."""
@@ -48,8 +55,8 @@ class EngineObserver:
     def job_dequeued(self, wait_seconds: float) -> None:
         """A job left the queue for the worker after waiting `wait_seconds`."""
 
-    def swapped(self, path: SwapPath, seconds: float) -> None:
-        """The swap slot changed to a job's adapters (or to the base model), taking `seconds`."""
+    def swapped(self, path: SwapPath, mode: SwapMode, seconds: float) -> None:
+        """The swap slot changed to a job's adapters (or to the base model), fused or not, taking `seconds`."""
 
     def step_done(self, seconds: float) -> None:
         """One denoising step of a served request finished, taking `seconds` (warm-up steps are not reported)."""

@@ -25,7 +25,7 @@ from loraswap.server.engine.errors import (
     QueueFullError,
     StartupError,
 )
-from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapPath
+from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapMode, SwapPath
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.types import GenerationParams, Queued, Timings
 
@@ -217,9 +217,10 @@ class GenerationScheduler:
             self.swaps += 1
             # Cold: this request waited for an adapter to be read and converted; warm: all were cached.
             path = SwapPath.COLD if job.adapter_load_ms > 0 else SwapPath.WARM
+            mode = SwapMode.FUSED if fused and job.stack else SwapMode.UNFUSED
 
             def on_swap(swap_ms: float) -> None:
-                self._observer.swapped(path, swap_ms / 1000.0)
+                self._observer.swapped(path, mode, swap_ms / 1000.0)
 
         step_ended_ms = 0.0
 

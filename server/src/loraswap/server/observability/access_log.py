@@ -2,7 +2,8 @@
 
 Fields (JSON keys, or key=value in text): request_id, method, code, reason, duration_ms; for calls about
 adapters, adapter (a stack's members joined by commas); for Generate, steps, size (WIDTHxHEIGHT) and, once
-an image came out, queue_ms, load_ms, swap_ms, denoise_ms and decode_ms from its timings; prompt only with
+an image came out, queue_ms, load_ms, swap_ms, denoise_ms and decode_ms from its timings and fused (whether its
+adapters were merged into the base weights, --fuse); prompt only with
 --log-prompts.
 """
 
@@ -45,6 +46,8 @@ def access_fields(record: CallRecord, *, log_prompts: bool) -> dict[str, object]
                 denoise_ms=_ms(timings.denoise_ms),
                 decode_ms=_ms(timings.decode_ms),
             )
+        if record.fused is not None:
+            fields["fused"] = record.fused
         if log_prompts:
             fields["prompt"] = record.prompt
     return fields

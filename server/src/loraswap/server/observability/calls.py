@@ -47,8 +47,9 @@ class CallRecord:
     steps: int | None = None
     width: int | None = None
     height: int | None = None
-    # Generate only: where the image's time went (None when no image came out).
+    # Generate only: where the image's time went, and whether its adapters were fused (None: no image came out).
     timings: Timings | None = None
+    fused: bool | None = None
     # W3C trace context headers the caller sent (traceparent, tracestate).
     trace_headers: dict[str, str] = field(default_factory=dict)
 

@@ -31,7 +31,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from loraswap.server.engine.errors import ErrorReason
-from loraswap.server.engine.observer import EngineGauges, EngineObserver, SwapPath
+from loraswap.server.engine.observer import EngineGauges, EngineObserver, SwapMode, SwapPath
 from loraswap.server.observability.calls import RPC_METHODS, CallRecord
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,9 @@ class MetricsEngineObserver(EngineObserver):
     def job_dequeued(self, wait_seconds: float) -> None:
         self._m.queue_wait_seconds.observe(wait_seconds)
 
-    def swapped(self, path: SwapPath, seconds: float) -> None:
-        self._m.swaps.inc()
-        self._m.swap_seconds.labels(path=path.value).observe(seconds)
+    def swapped(self, path: SwapPath, mode: SwapMode, seconds: float) -> None:
+        self._m.swaps.labels(mode=mode.value).inc()
+        self._m.swap_seconds.labels(path=path.value, mode=mode.value).observe(seconds)
 
     def step_done(self, seconds: float) -> None:
         self._m.step_seconds.observe(seconds)
@@ -178,13 +178,16 @@ class ServerMetrics:
         )  # fmt: skip
         self.images = Counter("loraswap_images", "Generations that finished with an image.", registry=r)
         self.swaps = Counter(
-            "loraswap_adapter_swaps", "Changes of the swap slot's adapters (base model included).", registry=r
-        )
+            "loraswap_adapter_swaps",
+            "Changes of the resident adapters (base model included); mode=fused when merged into the base weights, "
+            "unfused when copied into the swap slot.",
+            ["mode"], registry=r,
+        )  # fmt: skip
         self.swap_seconds = Histogram(
             "loraswap_adapter_swap_seconds",
             "Duration of swap-slot changes; path=cold when the request first had to load an adapter it swapped in "
-            "(read, convert, validate), warm when every adapter was already cached.",
-            ["path"], buckets=SWAP_BUCKETS, registry=r,
+            "(read, convert, validate), warm when every adapter was already cached; mode as for loraswap_adapter_swaps.",
+            ["path", "mode"], buckets=SWAP_BUCKETS, registry=r,
         )  # fmt: skip
         self.adapter_load_seconds = Histogram(
             "loraswap_adapter_load_seconds", "Adapter loads into the cache: read + convert + validate.",
@@ -214,8 +217,10 @@ class ServerMetrics:
         for method in RPC_METHODS:
             self.requests.labels(method=method, code="OK")
             self.request_seconds.labels(method=method)
-        for path in SwapPath:
-            self.swap_seconds.labels(path=path.value)
+        for mode in SwapMode:
+            self.swaps.labels(mode=mode.value)
+            for path in SwapPath:
+                self.swap_seconds.labels(path=path.value, mode=mode.value)
         for reason in ErrorReason:
             self.errors.labels(reason=reason.value)
         self._max_adapter_labels = max_adapter_labels

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -129,11 +130,11 @@ def _note_response(record: CallRecord, response: pb.GenerateResponse) -> None:
         image = response.image
         record.width, record.height = image.width, image.height
         record.adapters = tuple(entry.adapter for entry in image.adapters)
-        t = image.timings
+        record.fused = image.fused
+        # Timings' fields are the message's, name for name (tests/unit/test_field_maps.py).
         record.timings = Timings(
-            queue_ms=t.queue_ms, adapter_load_ms=t.adapter_load_ms, adapter_swap_ms=t.adapter_swap_ms,
-            denoise_ms=t.denoise_ms, decode_ms=t.decode_ms, total_ms=t.total_ms,
-        )  # fmt: skip
+            **{item.name: getattr(image.timings, item.name) for item in dataclasses.fields(Timings)}
+        )
 
 
 def _ending_code(error: BaseException, context: grpc.aio.ServicerContext) -> str:
