@@ -151,3 +151,20 @@ def test_the_registry_imports_without_torch():
         "assert not {'torch', 'diffusers'} & set(sys.modules), 'torch or diffusers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_model_folder_is_named_by_what_it_was_saved_from_or_its_own_name_never_its_path(tmp_path) -> None:
+    """GetServerInfo.model: no absolute path of the server's machine reaches a caller."""
+    import json
+
+    from loraswap.server.engine.models import model_name
+
+    saved = tmp_path / "srv" / "models" / "my-flux"
+    saved.mkdir(parents=True)
+    (saved / "model_index.json").write_text(json.dumps({"_name_or_path": "black-forest-labs/FLUX.1-dev"}))
+    assert model_name(str(saved)) == "black-forest-labs/FLUX.1-dev"
+    (saved / "model_index.json").write_text(json.dumps({"_name_or_path": str(tmp_path / "elsewhere")}))
+    assert model_name(str(saved)) == "my-flux"
+    (saved / "model_index.json").write_text("not json")
+    assert model_name(str(saved)) == "my-flux"
+    assert model_name("tiny-flux") == "tiny-flux" and model_name("org/some-model") == "org/some-model"

@@ -33,7 +33,7 @@ from loraswap.server.engine.errors import (
     StartupError,
     shorten,
 )
-from loraswap.server.engine.models import BUILTINS, served_base_model
+from loraswap.server.engine.models import BUILTINS, model_name, served_base_model
 from loraswap.server.engine.observer import NO_OBSERVER, EngineGauges, EngineObserver
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.pipeline.startup import start_runtime
@@ -300,7 +300,10 @@ class DiffusionEngine:
     def describe(self) -> ServerDescription:
         """The resident model, its slot and its compile state: the runtime's facts, and the engine's own."""
         runtime = self._require_runtime()
-        return ServerDescription(model=self.config.model, base_model=self._base_models.served.id, **runtime.describe())
+        # The model's name, never the server's folder path (any generate-role caller may ask).
+        return ServerDescription(
+            model=model_name(self.config.model), base_model=self._base_models.served.id, **runtime.describe()
+        )
 
     def _require_runtime(self) -> DiffusionRuntime:
         if self._runtime is None:

@@ -10,6 +10,7 @@ from loraswap.server.engine.models.loading import (
     generation_defaults,
     latent_rgb,
     load_pipeline,
+    model_name,
     served_base_model,
 )
 from loraswap.server.engine.models.registry import (
@@ -29,6 +30,7 @@ __all__ = [
     "generation_defaults",
     "latent_rgb",
     "load_pipeline",
+    "model_name",
     "save_model_folder",
     "served_base_model",
 ]

@@ -41,17 +41,12 @@ def generation_defaults(model: str, pipe) -> ModelDefaults:
     return family_of(pipe).published_defaults(pipe)
 
 
-def served_base_model(model: str) -> str:
-    """The base model `model` serves, in the vocabulary adapters declare theirs (adapters/base_model.py).
-
-    A built-in model's registered base; a diffusers folder's `_name_or_path` in its model_index.json (what it
-    was saved from, where it says so), else the folder's name; a Hub id is its own base.
-    """
-    builtin = BUILTINS.get(model)
-    if builtin is not None:
-        return builtin.base_model
+def model_name(model: str) -> str:
+    """What to call `model` to callers (GetServerInfo.model): a built-in's or Hub id's own name; for a diffusers
+    folder, the `_name_or_path` its model_index.json records (what it was saved from, where that is no absolute
+    path), else the folder's name. Never this machine's paths."""
     folder = Path(model)
-    if not folder.is_dir():
+    if model in BUILTINS or not folder.is_dir():
         return model
     try:
         declared = json.loads((folder / "model_index.json").read_text()).get("_name_or_path")
@@ -60,6 +55,15 @@ def served_base_model(model: str) -> str:
     if isinstance(declared, str) and declared.strip() and not Path(declared).is_absolute():
         return declared.strip()
     return folder.resolve().name
+
+
+def served_base_model(model: str) -> str:
+    """The base model `model` serves, in the vocabulary adapters declare theirs (adapters/base_model.py).
+
+    A built-in model's registered base; a folder or a Hub id: its model_name.
+    """
+    builtin = BUILTINS.get(model)
+    return builtin.base_model if builtin is not None else model_name(model)
 
 
 def default_dtype(model: str, device_type: str) -> str:
