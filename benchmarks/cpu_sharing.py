@@ -50,7 +50,7 @@ def worker(policy: str, steps: int) -> None:
     from loraswap.server.engine.pipeline.startup import start_runtime
     from loraswap.server.engine.types import GenerationRequest
 
-    threads = {"old": usable_cores(), "new": None, "one": 1}[policy]
+    threads = {"old": usable_cores(), "new": 0, "one": 1}[policy]  # new: --torch-threads 0, following the load
     runtime = start_runtime(
         EngineConfig(model="shapes", device="cpu", compile="none", warmup=False, torch_threads=threads)
     )

@@ -1,4 +1,5 @@
-"""torch's CPU threads: an explicit --torch-threads stays; unset, the count gives up the cores others take."""
+"""torch's CPU threads: an explicit --torch-threads stays, unset is the usable cores for good (same bits whatever
+the load), and 0 gives up the cores others take."""
 
 from __future__ import annotations
 
@@ -32,8 +33,14 @@ def test_explicit_threads_are_kept() -> None:
     assert torch.get_num_threads() == 3 and policy.adjust() == 3
 
 
-def test_unset_threads_start_at_the_usable_cores() -> None:
+def test_unset_threads_are_the_usable_cores_for_good() -> None:
     policy = thread_policy(None)
+    assert isinstance(policy, FixedThreads)
+    assert policy.threads == usable_cores() == torch.get_num_threads() == policy.adjust()
+
+
+def test_zero_threads_follow_the_load_starting_at_the_usable_cores() -> None:
+    policy = thread_policy(0)
     assert isinstance(policy, CoreShare)
     assert policy.threads == usable_cores() == torch.get_num_threads()
 

@@ -256,6 +256,7 @@ def test_settings_are_frozen() -> None:
     [
         (["--fuse", "always", "--quantize", "int8wo"], "--fuse auto"),
         (["--fuse-memory-bytes", "-1"], "--fuse-memory-bytes"),
+        (["--torch-threads", "-1"], "--torch-threads"),
     ],
 )
 def test_fuse_settings_the_engine_cannot_run_are_refused_in_one_line(argv: list[str], named: str) -> None:

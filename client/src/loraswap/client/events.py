@@ -318,6 +318,7 @@ class ServerInfo:
     device_adapter_bytes: int = 0  # device memory for a hot set of adapters; 0 when none
     fuse: str = ""  # how swaps apply adapters (--fuse): never, always or auto; "" from a server that does not say
     fuse_pristine_bytes: int = 0  # the pristine base-weight copies fused swaps merge from; 0 when none
+    torch_threads: int = 0  # the server's fixed CPU threads; 0 when they follow its machine's load
 
     @classmethod
     def from_pb(cls, message: pb.GetServerInfoResponse) -> ServerInfo:

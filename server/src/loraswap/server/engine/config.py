@@ -220,7 +220,13 @@ class EngineConfig:
     max_queue: int = setting(64, "most requests that may wait", parse=int)
     max_bypass: int = setting(4, "times a request may be passed over for one needing no swap (0: FIFO)", parse=int)
     max_size: int = setting(2048, "largest width or height accepted", parse=int)
-    torch_threads: int | None = setting(None, "torch CPU threads (default: the cores this process may use)", parse=int)
+    torch_threads: int | None = setting(
+        None,
+        "torch CPU threads, fixed (default: the cores this process may use at start-up); 0: follow the cores other "
+        "processes leave free (faster beside busy processes, but a request's image may then differ in its last bits "
+        "with the machine's load)",
+        parse=int,
+    )
     warmup: bool = True  # not a setting: tests and benchmarks that only need the pipeline skip the warm-up
 
     def __post_init__(self) -> None:
@@ -244,6 +250,10 @@ class EngineConfig:
         if self.fuse_memory_bytes is not None and self.fuse_memory_bytes < 0:
             raise SettingsError(
                 f"--fuse-memory-bytes {self.fuse_memory_bytes} is negative; give a byte budget, or --fuse never"
+            )
+        if self.torch_threads is not None and self.torch_threads < 0:
+            raise SettingsError(
+                f"--torch-threads {self.torch_threads} is negative; give a thread count, or 0 to follow the free cores"
             )
         if self.device_adapter_bytes < 0:
             raise SettingsError(

@@ -211,9 +211,9 @@ class GenerationScheduler:
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
         self._observer.job_dequeued(queue_ms / 1000.0)
         params = job.params
-        fused = runtime.fuse_choice(job.stack, params.num_inference_steps + steps_after, params.width * params.height)
+        fused = runtime.fuse_choice(job.stack, params, steps_after)
         on_swap = None
-        if not runtime.slot.holds(job.stack):
+        if runtime.needs_swap(job.stack, fused):
             self.swaps += 1
             # Cold: this request waited for an adapter to be read and converted; warm: all were cached.
             path = SwapPath.COLD if job.adapter_load_ms > 0 else SwapPath.WARM

@@ -263,3 +263,4 @@ class ServerDescription:
     rank_buckets: tuple[int, ...] = ()  # the slot's rank buckets
     fuse: str = ""  # --fuse: never, always or auto
     fuse_pristine_bytes: int = 0  # the pristine copies of the slot layers' base weights fused swaps merge from
+    torch_threads: int = 0  # torch's CPU threads, fixed; 0 when they follow the machine's load (--torch-threads 0)

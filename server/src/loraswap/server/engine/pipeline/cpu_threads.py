@@ -1,4 +1,4 @@
-"""How many torch threads a CPU server runs: as many as the cores other processes leave it.
+"""How many torch threads a CPU server runs: a fixed count (the default), or as many as the cores others leave.
 
 torch's CPU kernels split each operation across its OpenMP threads and wait for the
 slowest. When another process keeps one of the cores busy, the thread that shares that
@@ -7,13 +7,20 @@ taken, 2 threads ran the `shapes` model 4-5x slower than alone, while 1 thread w
 have lost nothing. Passive OpenMP waiting does not help (the wait is for the preempted
 thread, not the spinning one) and costs 3x alone.
 
-So by default (`--torch-threads` unset) the thread count follows the load: between
-denoising steps, at most every ADJUST_INTERVAL_S, `CoreShare` reads how much CPU time
-the machine's usable cores spent (/proc/stat) minus this process's own (/proc/self/stat)
-since the last look, and runs torch with the cores that leaves free (at least 1, at
-most the usable cores). Two such servers on one machine settle on a core each instead
-of fighting over both. An explicit `--torch-threads` is kept as it is. Where /proc is
-not there to read, the count stays at the usable cores.
+But the thread count also decides how a kernel splits its sums, so the same request run
+with another count can give an image whose last bits differ (measured: tiny-sdxl at 256 px,
+tiny-flux and shapes at 512 px differ between 1, 2 and 4 threads). Users rely on "same
+seed, same image", so by default (`--torch-threads` unset) the count is fixed at the usable
+cores at start-up (`FixedThreads`), and an explicit `--torch-threads N` fixes it at N.
+
+`--torch-threads 0` asks for the count to follow the load instead, for servers that share
+their machine and value speed over bit-identical repeats: between denoising steps, at most
+every ADJUST_INTERVAL_S, `CoreShare` reads how much CPU time the machine's usable cores
+spent (/proc/stat) minus this process's own (/proc/self/stat) since the last look, and runs
+torch with the cores that leaves free (at least 1, at most the usable cores). Two such
+servers on one machine settle on a core each instead of fighting over both. Where /proc is
+not there to read, the count stays at the usable cores. GetServerInfo.torch_threads says
+which (0: following the load).
 """
 
 from __future__ import annotations
@@ -130,8 +137,13 @@ class FixedThreads:
         return self.threads
 
 
+# --torch-threads 0: follow the load (CoreShare).
+FOLLOW_THE_LOAD = 0
+
+
 def thread_policy(torch_threads: int | None) -> CoreShare | FixedThreads:
-    """--torch-threads N: N threads for good; unset: as many as the usable cores others leave free (CoreShare)."""
-    if torch_threads:
-        return FixedThreads(torch_threads)
-    return CoreShare(usable_cores())
+    """--torch-threads N: N threads for good; unset: the usable cores, for good; 0: as many as the usable cores others
+    leave free (CoreShare)."""
+    if torch_threads == FOLLOW_THE_LOAD:
+        return CoreShare(usable_cores())
+    return FixedThreads(torch_threads if torch_threads is not None else usable_cores())

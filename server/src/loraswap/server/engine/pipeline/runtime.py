@@ -39,6 +39,8 @@ from loraswap.server.engine.types import (
 )
 
 JPEG_QUALITY = 95
+# --fuse auto's choices remembered per request (adapters, strengths, steps, size); the oldest go past this.
+MAX_REMEMBERED_CHOICES = 65536
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ class DiffusionRuntime:
         # --fuse auto's measured figures and the buckets a swap may compute at unfused: set by the warm-up.
         self.fuse_costs: FuseCosts | None = None
         self.unfused_buckets: frozenset[int] = frozenset(installed.slot.rank_buckets)
+        self._fuse_choices: dict[tuple, bool] = {}  # auto's choice per request, kept (see fuse_choice)
         self.quantization, self.denoiser_weight_bytes = weights.quantization, weights.denoiser_weight_bytes
         self.compile_kind, self.compile_mode = compiled.kind, compiled.mode
         self.compiled, self.compile_label = compiled.compiled, compiled.label
@@ -159,11 +162,32 @@ class DiffusionRuntime:
         fused = self.slot.fused_weights
         return fused.pristine.weight_bytes(fused.pristine.weights) if fused is not None else 0
 
-    def fuse_choice(self, stack: tuple[StackMember, ...], steps: int, pixels: int) -> bool:
-        """Whether the swap to `stack` fuses it (--fuse; see fuse_policy.py): `steps` are those about to run at
-        this residency, `pixels` the request's image size. A resident stack keeps the way it is resident."""
-        if self.slot.holds(stack):
-            return self.slot.fused
+    def fuse_choice(self, stack: tuple[StackMember, ...], params: GenerationParams, steps_after: int = 0) -> bool:
+        """Whether `params` runs with `stack` fused (--fuse; see fuse_policy.py); `steps_after` are the queued
+        requests' for the same stack, which run next without a swap.
+
+        Fused and unfused images differ in their last bits, so under auto a request keeps the choice made the
+        first time it was seen (by adapters, strengths, steps and size) for the server's life: the same request
+        gives the same image bytes whatever ran before it, as under never and always.
+        """
+        if not stack or not self.config.fuses:
+            return False
+        key = (tuple((adapter.name, scale) for adapter, scale in stack), params.num_inference_steps,
+               params.width, params.height)  # fmt: skip
+        chosen = self._fuse_choices.get(key)
+        if chosen is None:
+            chosen = self._choose_fused(stack, params.num_inference_steps + steps_after, params.width * params.height)
+            if len(self._fuse_choices) >= MAX_REMEMBERED_CHOICES:
+                self._fuse_choices.pop(next(iter(self._fuse_choices)))
+            self._fuse_choices[key] = chosen
+        return chosen
+
+    def needs_swap(self, stack: tuple[StackMember, ...], fused: bool) -> bool:
+        """Whether running `stack` (fused or not) changes what is resident: other adapters, or the same in the other
+        way."""
+        return not self.slot.holds(stack) or (bool(stack) and fused != self.slot.fused)
+
+    def _choose_fused(self, stack: tuple[StackMember, ...], steps: int, pixels: int) -> bool:
         bucket = self.slot.unfused_bucket(stack)
         saving = merge_ms = None
         costs = self.fuse_costs
@@ -218,6 +242,7 @@ class DiffusionRuntime:
             device_adapter_bytes=self.device_adapter_bytes,
             fuse=self.config.fuse,
             fuse_pristine_bytes=self.pristine_bytes,
+            torch_threads=self.threads.threads if isinstance(self.threads, FixedThreads) else 0,
         )
 
     # -- requests -----------------------------------------------------------------------------------
@@ -246,7 +271,7 @@ class DiffusionRuntime:
             dtype=self.dtype,
         )  # fmt: skip
         with torch.inference_mode(), conv_guard:
-            merges = not self.slot.holds(stack) and fused and bool(stack)
+            merges = fused and self.needs_swap(stack, fused)
             swap_ms = self.slot.load_stack(stack, fused=fused)
             if merges and self.fuse_costs is not None:
                 summed = self.slot.summed_ranks(stack) or {}
