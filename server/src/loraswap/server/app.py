@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,6 +18,7 @@ from loraswap.client.connection import server_keepalive_options
 from loraswap.server.access import AccessTokens
 from loraswap.server.config import Settings, SettingsError
 from loraswap.server.engine.diffusion_engine import DiffusionEngine
+from loraswap.server.engine.errors import StartupStopped
 from loraswap.server.engine.interface import Engine
 from loraswap.server.observability.observers import ServerObservers
 from loraswap.server.transport.call_watch import CallWatchInterceptor
@@ -34,6 +38,9 @@ MAX_RECEIVE_MESSAGE_BYTES = 256 * 1024
 # would fails here, not in the client.
 MAX_SEND_MESSAGE_BYTES = 4 * 1024 * 1024
 SHUTDOWN_FLUSH_S = 2.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,20 +69,45 @@ class RunningServer:
             else:
                 log.info("reloaded the %s", name)
 
-    async def stop(self, grace: float) -> None:
+    @property
+    def starting(self) -> bool:
+        """The model is still loading, warming up or preloading."""
+        return self.warming is not None and not self.warming.done()
+
+    async def stop(self, grace: float, hurry: asyncio.Event | None = None) -> bool:
         """Health NOT_SERVING, refuse new work (UNAVAILABLE), let queued and running work finish
-        within `grace` seconds, fail what is left with UNAVAILABLE, then stop."""
+        within `grace` seconds, fail what is left with UNAVAILABLE, then stop.
+
+        A start-up still under way is stopped at its next stopping point (a phase's end, a warm-up step) and
+        given the same `grace` to reach it. `hurry`, once set, ends either wait at once. Returns whether the
+        queued and running work finished.
+
+        Raises:
+            TimeoutError: the engine's worker was still busy (inside torch) when the time ran out; it ends at its
+                next stopping point, and a process must not finalize its interpreter before then (serve).
+        """
+        hurry = hurry or asyncio.Event()
+        starting = self.starting
         await self.health.enter_graceful_shutdown()
         self.engine.stop_accepting()
-        if not await self.engine.drain(grace):
-            self.engine.abort_all(
-                f"the server is shutting down and its {grace:g} s grace period ran out; retry on another replica"
-            )
-        # A moment for the aborted streams' statuses to reach their clients.
-        await self.server.stop(SHUTDOWN_FLUSH_S)
-        await self.engine.stop(timeout=SHUTDOWN_FLUSH_S)
-        if self.observers is not None:
-            await asyncio.to_thread(self.observers.close)
+        try:
+            drained = await _unless_hurried(self.engine.drain(grace), hurry)
+        except TimeoutError:
+            drained = False
+        if not drained:
+            why = "a second stop signal came" if hurry.is_set() else f"its {grace:g} s grace period ran out"
+            self.engine.abort_all(f"the server is shutting down and {why}; retry on another replica")
+        try:
+            # A moment for the aborted streams' statuses to reach their clients.
+            await self.server.stop(SHUTDOWN_FLUSH_S)
+            if starting:  # its next stopping point may be a compile away: the grace bounds the wait, as for work
+                await _unless_hurried(self.engine.stop(timeout=grace), hurry)
+            else:  # aborted work stops at its next step
+                await self.engine.stop(timeout=SHUTDOWN_FLUSH_S)
+        finally:
+            if self.observers is not None:
+                await asyncio.to_thread(self.observers.close)
+        return drained
 
 
 async def start_server(
@@ -142,22 +174,85 @@ async def start_server(
     return running
 
 
-async def serve(settings: Settings) -> None:
-    """Run until SIGTERM or SIGINT, then drain gracefully."""
+async def serve(settings: Settings) -> bool:
+    """Run until SIGTERM or SIGINT, then drain gracefully, or stop the start-up if it is still under way.
+
+    A second signal ends the wait at once. Returns True when the engine's threads have ended; False when its
+    worker was still busy inside torch, and the caller must end the process without finalizing the interpreter
+    (scheduler.py says why; cli.py does so).
+    """
     running = await start_server(settings, wait_until_serving=False)
     stop_requested = asyncio.Event()
+    hurry = asyncio.Event()
+
+    def on_stop_signal() -> None:
+        if not stop_requested.is_set():
+            stop_requested.set()
+        elif not hurry.is_set():
+            log.info("a second stop signal: not waiting any longer")
+            hurry.set()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_stop_signal)
     loop.add_signal_handler(signal.SIGHUP, running.reload_credentials)
-    print(f"loraswap: listening on port {running.port}, loading {settings.engine.model}", flush=True)
-    stopping = asyncio.ensure_future(stop_requested.wait())
-    await asyncio.wait([running.warming, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if running.warming.done() and running.warming.exception() is not None:
-        await running.server.stop(0)
-        raise running.warming.exception()
-    if not stopping.done():
-        print(f"loraswap: serving {settings.engine.model} on port {running.port}", flush=True)
-        await stopping
-    log.info("stopping: draining for up to %.0f s", settings.grace_seconds)
-    await running.stop(settings.grace_seconds)
+    try:
+        print(f"loraswap: listening on port {running.port}, loading {settings.engine.model}", flush=True)
+        stopping = asyncio.ensure_future(stop_requested.wait())
+        await asyncio.wait([running.warming, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if running.warming.done() and running.warming.exception() is not None:
+            await running.server.stop(0)
+            raise running.warming.exception()
+        if not stopping.done():
+            print(f"loraswap: serving {settings.engine.model} on port {running.port}", flush=True)
+            await stopping
+        return await _stop_and_report(running, settings.grace_seconds, hurry)
+    finally:
+        # The stop is under way or done: a late signal must not kill the process as it exits (asyncio would
+        # restore the default action, death by SIGTERM).
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+
+
+async def _stop_and_report(running: RunningServer, grace: float, hurry: asyncio.Event) -> bool:
+    """Stop a serving or starting server, its last log line saying how; False when its worker is still busy."""
+    starting = running.starting
+    if starting:
+        log.info("stopping during start-up: waiting up to %.0f s for it to reach a stopping point", grace)
+    else:
+        log.info("stopping: draining for up to %.0f s", grace)
+    during = " during start-up" if starting else ""
+    try:
+        drained = await running.stop(grace, hurry)
+    except TimeoutError as busy:
+        log.warning("stopped%s without waiting for the engine: %s", during, busy)
+        return False
+    if starting:
+        # The worker has ended, so the start-up's outcome is on its way to `warming`.
+        await asyncio.wait([running.warming], timeout=SHUTDOWN_FLUSH_S)
+        outcome = running.warming
+        stopped = outcome.exception() if outcome.done() and not outcome.cancelled() else None
+        phase = f" (phase {stopped.phase})" if isinstance(stopped, StartupStopped) else ""
+        log.info("stopped during start-up%s", phase)
+    elif drained:
+        log.info("stopped: the queued and running generations finished")
+    else:
+        log.info("stopped: the generations left failed with UNAVAILABLE (SHUTTING_DOWN)")
+    return True
+
+
+async def _unless_hurried(work: Awaitable[T], hurry: asyncio.Event) -> T:
+    """Await `work`; if `hurry` is set first, cancel it and raise TimeoutError, as if its time had run out."""
+    task = asyncio.ensure_future(work)
+    hurried = asyncio.ensure_future(hurry.wait())
+    try:
+        await asyncio.wait([task, hurried], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hurried.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise TimeoutError("a second stop signal came before it ended")
+    return task.result()

@@ -38,7 +38,12 @@ class Settings:
     engine: EngineConfig
     host: str = setting("[::]", "address to listen on")
     port: int = setting(50051, "port to listen on; 0 lets the OS pick", parse=int)
-    grace_seconds: float = setting(30.0, "how long running work may finish on SIGTERM", parse=float)
+    grace_seconds: float = setting(
+        30.0,
+        "how long running work may finish on SIGTERM or SIGINT (and a start-up under way may take to reach a point "
+        "where it can stop); a second signal ends the wait",
+        parse=float,
+    )
     log_level: str = setting("INFO", "logging level", parse=str.upper, choices=LOG_LEVELS)
     log_format: str = setting("text", "text (readable lines) or json (one JSON object per line)", choices=LOG_FORMATS)
     log_prompts: bool = setting(False, "write each Generate's prompt in its access log line", switch=True)

@@ -165,7 +165,8 @@ class EngineConfig:
     fuse_memory_bytes: int | None = setting(
         None,
         "most bytes the pristine copies of the slot layers' base weights may take, on the model's device "
-        "(--fuse auto|always; default: what the device has free after loading, less a fifth of its memory)",
+        "(--fuse auto|always; default: on CUDA what the device has free after loading, less a tenth of its memory; on "
+        "a CPU the host's available memory)",
         parse=int,
     )
     quantize: str = setting(
@@ -265,7 +266,6 @@ class EngineConfig:
 
             _one_line(check_attention, self.attention, self.device)
         _one_line(resolve_rank_buckets, self.rank_buckets, self.max_rank)
-
 
     @property
     def fuses(self) -> bool:

@@ -9,6 +9,7 @@ loads of others.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -75,7 +76,7 @@ class DiffusionEngine:
         self._loader_pool = ThreadPoolExecutor(max_workers=ADAPTER_LOAD_THREADS, thread_name_prefix="loraswap-loader")
         self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool, observer)
         self._scheduler = GenerationScheduler(
-            lambda: start_runtime(config), config.max_queue, config.max_bypass, observer
+            functools.partial(start_runtime, config), config.max_queue, config.max_bypass, observer
         )
         self._runtime: DiffusionRuntime | None = None
         self._slot_spec: SlotSpec | None = None
@@ -83,11 +84,19 @@ class DiffusionEngine:
     # -- life cycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load, prepare, compile and warm up the pipeline on the worker thread; returns when serving."""
+        """Load, prepare, compile and warm up the pipeline on the worker thread, then preload; returns when serving.
+
+        Raises:
+            StartupError: what it cannot start with (one line).
+            StartupStopped: stop() came first; it names the phase the stop came in.
+        """
         self._scheduler.start()
         runtime = await asyncio.wrap_future(self._scheduler.ready)
         self._slot_spec = runtime.slot_spec()
+        stop = self._scheduler.startup_stop
+        stop.enter("preload")
         await self._preload_configured()
+        stop.check()
         self._runtime = runtime
 
     async def _preload_configured(self) -> None:
@@ -101,6 +110,7 @@ class DiffusionEngine:
             self._cache.pin(name)
         try:
             for name in names:
+                self._scheduler.startup_stop.check()
                 flag = "--pin" if name in self.config.pin else "--preload"
                 try:
                     check_name(name)
@@ -160,9 +170,27 @@ class DiffusionEngine:
         )
 
     async def stop(self, timeout: float | None = None) -> None:
-        """Finish the queued work (up to timeout seconds) and end the worker and loader threads."""
-        await asyncio.to_thread(self._scheduler.stop, timeout)
+        """Finish the queued work (up to timeout seconds), stop a start-up still under way at its next stopping
+        point (a phase's end, a warm-up step), and end the worker and loader threads.
+
+        Raises:
+            TimeoutError: the worker is still busy after `timeout` s (one from_pretrained, one long compile or
+                step); it ends at its next stopping point, and the interpreter must not finalize before then
+                (scheduler.py says why).
+        """
+        self._scheduler.stop()
+        # Loads under way finish on their threads (they end then); those not begun are dropped.
         self._loader_pool.shutdown(wait=False, cancel_futures=True)
+        loop = asyncio.get_running_loop()
+        ends_at = None if timeout is None else loop.time() + timeout
+        while self._scheduler.worker_alive:  # polled, not joined: the caller may stop waiting (a second signal)
+            if ends_at is not None and loop.time() >= ends_at:
+                if self._scheduler.ready.done():
+                    busy = "with a generation"
+                else:
+                    busy = f"in start-up phase {self._scheduler.startup_stop.phase}"
+                raise TimeoutError(f"its worker was still busy {busy} after {timeout:g} s")
+            await asyncio.sleep(0.05)
 
     # -- generation ---------------------------------------------------------------------------------
 

@@ -170,3 +170,11 @@ class StartupError(Exception):
 
     Not a caller's error: the message is one line for whoever starts the server, which then exits.
     """
+
+
+class StartupStopped(Exception):
+    """A stop came during start-up and the start-up reached a stopping point. Not a failure: the server exits 0."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"stopped during start-up (phase {phase})")
+        self.phase = phase

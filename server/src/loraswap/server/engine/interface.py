@@ -24,7 +24,8 @@ class Engine(Protocol):
     """A resident model serving generations, with its adapter cache; plain domain types in and out."""
 
     async def start(self) -> None:
-        """Load and warm up; returns when serving (raises StartupError for what it cannot start with)."""
+        """Load and warm up; returns when serving. Raises StartupError for what it cannot start with, and
+        StartupStopped when stop() came first."""
 
     def stop_accepting(self) -> None:
         """New generations are refused with NotServingError; queued ones still run."""
@@ -36,7 +37,8 @@ class Engine(Protocol):
         """Fail every queued and running generation with NotServingError(message)."""
 
     async def stop(self, timeout: float | None = None) -> None:
-        """Finish the queued work (up to timeout seconds) and end the engine's threads."""
+        """Finish the queued work (up to timeout seconds) and end the engine's threads; a start-up still running
+        stops at its next stopping point. Raises TimeoutError when the worker is still busy after `timeout`."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Validate and queue a request; yield Queued/StepProgress events, then the GeneratedImage."""

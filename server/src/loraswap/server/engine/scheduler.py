@@ -4,7 +4,12 @@ Batching different adapters was measured as a bad trade for diffusion, so the
 worker runs one job at a time. Events for a job go back to whoever submitted it
 through the job's `emit` callable (the engine makes it thread-safe with
 `loop.call_soon_threadsafe`). Cancellation is a flag the pipeline's step
-callback checks.
+callback checks; a stop during start-up is one too (StartupStop).
+
+The worker is a daemon thread, so it must have left torch before the interpreter
+finalizes: Python 3.11 ends a daemon thread that wants the GIL back then with
+pthread_exit, whose unwinding through torch's noexcept C++ frames calls
+std::terminate (SIGABRT). `worker_alive` says whether it has.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from loraswap.server.engine.errors import (
     NotServingError,
     QueueFullError,
     StartupError,
+    StartupStopped,
 )
 from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapMode, SwapPath
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.startup import StartupStop
 from loraswap.server.engine.types import GenerationParams, Queued, Timings
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,7 @@ class GenerationScheduler:
 
     def __init__(
         self,
-        runtime_factory: Callable[[], DiffusionRuntime],
+        runtime_factory: Callable[[StartupStop], DiffusionRuntime],
         max_queue: int,
         max_bypass: int = 4,
         observer: EngineObserver = NO_OBSERVER,
@@ -85,6 +92,7 @@ class GenerationScheduler:
         self.max_bypass = max_bypass
         self.swaps = 0  # adapter changes the worker made (for benchmarks and tests)
         self.ready: Future[DiffusionRuntime] = Future()
+        self.startup_stop = StartupStop()
         self._runtime_factory = runtime_factory
         self._cond = threading.Condition()
         self._waiting: list[GenerationJob] = []
@@ -94,7 +102,9 @@ class GenerationScheduler:
         self._thread = threading.Thread(target=self._work, name="loraswap-worker", daemon=True)
 
     def start(self) -> None:
-        """Start the worker; `ready` resolves once the runtime is loaded and warm."""
+        """Start the worker; `ready` resolves once the runtime is loaded and warm (StartupStopped after a stop)."""
+        # Only the worker resolves `ready`: an awaiting task that is cancelled must not cancel it under the worker.
+        self.ready.set_running_or_notify_cancel()
         self._thread.start()
 
     def submit(self, job: GenerationJob) -> None:
@@ -146,14 +156,21 @@ class GenerationScheduler:
             job.cancelled.set()
             job.emit(error)
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Let the worker finish what is queued, then end it."""
+    def stop(self) -> None:
+        """Let the worker finish what is queued, then end; a start-up under way stops at its next stopping point.
+
+        Returns at once: `worker_alive` says when the worker has ended.
+        """
+        self.startup_stop.request()
         with self._cond:
             self._accepting = False
             self._stopped = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+
+    @property
+    def worker_alive(self) -> bool:
+        """The worker thread is running (in the start-up, a job, or waiting for one)."""
+        return self._thread.is_alive()
 
     def _publish_positions(self) -> None:
         for index, job in enumerate(self._waiting, start=1):
@@ -188,7 +205,10 @@ class GenerationScheduler:
 
     def _work(self) -> None:
         try:
-            runtime = self._runtime_factory()
+            runtime = self._runtime_factory(self.startup_stop)
+        except StartupStopped as stopped:  # not a failure: whoever awaits `ready` says where it stopped
+            self.ready.set_exception(stopped)
+            return
         except StartupError as exc:  # one line for whoever starts the server: no traceback to read past
             log.error("start-up failed: %s", exc)
             self.ready.set_exception(exc)

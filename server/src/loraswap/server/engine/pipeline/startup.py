@@ -4,6 +4,10 @@ Each phase is a function of the config and of what the phases before it made, an
 record of its own (runtime.py); `start_runtime` runs them in order, logs each phase with its
 duration, and hands the records to DiffusionRuntime. Everything here runs on the engine's
 worker thread.
+
+A stop may come at any moment (SIGTERM while warming up). The start-up cannot be interrupted inside
+torch, so it checks a `StartupStop` at its stopping points instead: before each phase, before each
+warm-up pass and at each warm-up step, like a request's cancel flag.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
 from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.compile_options import effective_compile_mode, resolve_compile_kind
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.errors import StartupError
+from loraswap.server.engine.errors import GenerationCancelledError, StartupError, StartupStopped
 from loraswap.server.engine.families import family_of
 from loraswap.server.engine.fuse_policy import FuseCosts, buckets_auto_may_choose
 from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
@@ -45,29 +49,71 @@ from loraswap.server.engine.request_rules import RequestRules
 
 log = logging.getLogger(__name__)
 
-# The share of a device's memory (1/N) the pristine copies leave free by default: activations, the allocator.
-FREE_MEMORY_RESERVE = 5
+# The share of a CUDA device's memory (1/N) the pristine copies leave free by default: activations, the allocator.
+CUDA_MEMORY_RESERVE = 10
 
 
-def start_runtime(config: EngineConfig) -> DiffusionRuntime:
-    """The resident pipeline, loaded, slotted, quantized, compiled and warm; each phase logged with its duration."""
+class StartupStop:
+    """A stop request the start-up checks at its stopping points; it remembers the phase it came in.
+
+    Set from the event loop, read on the worker thread: each field is one assignment, which needs no lock.
+    """
+
+    def __init__(self) -> None:
+        self.phase = "load"
+        self.requested_in: str | None = None
+
+    def request(self) -> None:
+        """Ask the start-up to stop at its next stopping point (a second request changes nothing)."""
+        if self.requested_in is None:
+            self.requested_in = self.phase
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_in is not None
+
+    def check(self) -> None:
+        """Raise StartupStopped if a stop was requested."""
+        if self.requested_in is not None:
+            raise StartupStopped(self.requested_in)
+
+    def enter(self, phase: str) -> None:
+        """A stopping point: stop here if asked to, else go on into `phase`."""
+        self.check()
+        self.phase = phase
+
+
+def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> DiffusionRuntime:
+    """The resident pipeline, loaded, slotted, quantized, compiled and warm; each phase logged with its duration.
+
+    Raises:
+        StartupStopped: `stop` was requested; raised at the next phase, warm-up pass or warm-up step.
+    """
+    stop = stop or StartupStop()
     clock = _PhaseClock()
+    stop.enter("load")
     loaded = load(config)
     clock.done("load", f"{config.model} ({loaded.traits.family.value}, {loaded.dtype} on {loaded.device})")
+    stop.enter("slot")
     installed = install_slot(config, loaded)
     pristine = f", pristine copies {installed.pristine_bytes} bytes" if installed.pristine_bytes else ""
     clock.done("slot", f"{len(installed.target_layers)} layers at rank {config.max_rank}{pristine}")
+    # A stop names the phase the log names next: unquantized, what follows the slot is the compile.
+    stop.enter("quantize" if config.quantize != "none" else "compile")
     weights = quantize(config, loaded)
     if weights.quantization != "none":
         clock.done("quantize", f"{weights.quantization}, denoiser weights {weights.denoiser_weight_bytes} bytes")
+    stop.enter("compile")
     compiled = compile_denoiser(config, loaded, installed)
     if compiled.compiled:
         # dynamo compiles lazily: the graphs themselves are built by the warm-up's first calls.
         clock.done("compile", f"backend {config.compile_backend}")
+    stop.enter("warm-up")
     runtime = DiffusionRuntime(config, loaded, installed, weights, compiled)
     if config.warmup:
-        warm_up(runtime, _compile_cache_folder(config, loaded, installed, compiled))
+        warm_up(runtime, _compile_cache_folder(config, loaded, installed, compiled), stop)
         clock.done("warm-up", f"{runtime.graphs_compiled} graphs compiled")
+    stop.check()
     runtime.count_recompilations_from_now()
     log.info(
         "ready: %s (%s, %s on %s), %d slot layers at rank %d, compiled=%s, in %.1f s",
@@ -167,18 +213,17 @@ def _keep_pristine_weights(config: EngineConfig, loaded: LoadedModel, slot: Hots
 
 
 def _free_bytes(device: torch.device) -> int | None:
-    """What the pristine copies may take when --fuse-memory-bytes is unset: the device's free memory less a fifth
-    of its total (room for activations and the allocator); None when it cannot be told."""
+    """What the pristine copies may take when --fuse-memory-bytes is unset: on CUDA the device's free memory less a
+    tenth of its total (room for activations and the allocator); on a CPU the memory the host has available (which
+    other processes change all the time, so it takes no reserve of its own); None when it cannot be told."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return max(0, free - total // FREE_MEMORY_RESERVE)
+        return max(0, free - total // CUDA_MEMORY_RESERVE)
     try:
         fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-        total = int(fields["MemTotal"].split()[0]) * 1024
+        return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
-    return max(0, available - total // FREE_MEMORY_RESERVE)
 
 
 def quantize(config: EngineConfig, loaded: LoadedModel) -> StoredWeights:
@@ -206,9 +251,12 @@ def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: Insta
     return CompiledDenoiser(kind=kind, mode=mode, attention_backend=attention_backend, backend=backend)
 
 
-def warm_up(runtime: DiffusionRuntime, compile_cache_folder: Path | None) -> None:
+def warm_up(runtime: DiffusionRuntime, compile_cache_folder: Path | None, stop: StartupStop | None = None) -> None:
     """Run the pipeline at the shapes and rank buckets that make every later request reuse a compiled graph, and
-    (--fuse auto) measure what the auto rule weighs, compiling the larger buckets only where it may choose them."""
+    (--fuse auto) measure what the auto rule weighs, compiling the larger buckets only where it may choose them.
+
+    Raises StartupStopped at the first pass or step after `stop` is requested."""
+    stop = stop or StartupStop()
     requests = warm_up_requests(
         runtime.request_rules,
         runtime.traits.upsample_period(runtime.pipe),
@@ -223,18 +271,20 @@ def warm_up(runtime: DiffusionRuntime, compile_cache_folder: Path | None) -> Non
         else:
             graphs = (0, slot.rank_buckets[0])  # the base model's and the smallest bucket's, which predicts the rest
         for bucket in warm_up_buckets(graphs, runtime.compiled):
-            _run_at(runtime, bucket, requests)
+            _run_at(runtime, bucket, requests, stop)
         if runtime.config.fuse != "auto" or not runtime.config.fuses:
             runtime.unfused_buckets = frozenset(graphs) - {0}
             return
         if not runtime.compiled:  # no graphs to compile: the rule may choose any bucket, so measure them all
             graphs = slot.graph_buckets
+        stop.check()  # the measurements run a few steady steps each, on graphs compiled by now
         costs = measure_fuse_costs(runtime, graphs)
         smallest = slot.rank_buckets[0]
         full_merges = {bucket: costs.merge_ms(runtime.pristine_weight_bytes, bucket) for bucket in slot.rank_buckets}
         extra = () if not runtime.compiled else _larger_buckets(costs, smallest, full_merges)
         for bucket in extra:
-            _run_at(runtime, bucket, requests)
+            _run_at(runtime, bucket, requests, stop)
+            stop.check()
             costs.step_ms[bucket] = measure_step_ms(runtime, bucket)
         runtime.fuse_costs = costs
         runtime.unfused_buckets = frozenset(costs.step_ms) - {0}
@@ -252,12 +302,18 @@ def _larger_buckets(costs: FuseCosts, smallest: int, full_merges: dict[int, floa
     return buckets_auto_may_choose(tuple(sorted(full_merges)), saving, full_merges)
 
 
-def _run_at(runtime: DiffusionRuntime, bucket: int, requests: list) -> None:
+def _run_at(runtime: DiffusionRuntime, bucket: int, requests: list, stop: StartupStop) -> None:
     with runtime.slot.computing_at(bucket):
         for request in requests:
-            runtime.generate(
-                runtime.request_rules.resolve(request), (), on_step=lambda progress: None, is_cancelled=lambda: False
-            )
+            stop.check()
+            try:
+                runtime.generate(
+                    runtime.request_rules.resolve(request), (), on_step=lambda progress: None,
+                    is_cancelled=lambda: stop.requested,
+                )  # fmt: skip
+            except GenerationCancelledError:  # the stop, seen at a step boundary: a pass may take a compile per step
+                stop.check()
+                raise
 
 
 # -- what the phases share ------------------------------------------------------------------------------
