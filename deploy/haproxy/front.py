@@ -10,14 +10,14 @@ deploy/haproxy/haproxy.cfg for those replicas (only the `bind`, `stats socket` a
 other knob is the file's), starts HAProxy, waits until HAProxy sees
 every replica up, prints one JSON line with the front's address, and runs until
 SIGINT/SIGTERM, then stops everything. The tests and benchmarks/scaleout.py use
-`LocalFront` directly.
+`LocalFront` directly: it also kills a replica and starts it again in its slot, and
+reads HAProxy's log line of each call (haproxy.log in its working folder).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +46,15 @@ HOT_SHARE = re.compile(r"(sc_http_req_rate\(0\),mul\()\d+(\))")
 LEAST_BUSY_BLOCK = re.compile(
     r"^(\s*)# BEGIN least busy replica.*?^\s*# END least busy replica$", re.MULTILINE | re.DOTALL
 )
-USE_LEAST_BUSY = re.compile(r"^\s*use-server %\[var\(txn\.least_busy\)\].*\n", re.MULTILINE)
+# The rule that sends a hot adapter's call to the least busy replica, and the capture that logs it.
+USE_LEAST_BUSY = re.compile(r"^\s*(use-server %\[var|http-request capture var)\(txn\.least_busy\)\]?.*\n", re.MULTILINE)
+# One call in HAProxy's log (`option httplog`, the captures {x-request-id|lora|hot}): accept date, frontend,
+# backend/server, TR/Tw/Tc/Tr/Ta, status, bytes, cookies, termination state, ac/fc/bc/sc/rc, sq/bq, captures.
+REQUEST_LOG_LINE = re.compile(
+    r"^\S+ \[[^\]]+\] \S+ [^/\s]+/(?P<server>\S+) -?\d+/-?\d+/(?P<connect_ms>-?\d+)/-?\d+/\+?(?P<total_ms>-?\d+) "
+    r"(?P<status>-?\d+) \+?\d+ \S+ \S+ (?P<termination>\S{4}) \d+/\d+/\d+/\d+/(?P<retries>\+?\d+) \d+/\d+ "
+    r"\{(?P<request_id>[^|}]*)\|(?P<lora>[^|}]*)\|(?P<hot>[^}]*)\} "
+)
 
 
 def render_config(
@@ -118,6 +128,51 @@ def least_busy_block(indent: str, names: list[str]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class FrontLogLine:
+    """One call as HAProxy logged it when it ended."""
+
+    request_id: str  # the caller's x-request-id ("" when it sent none)
+    lora: str
+    server: str  # the replica that took it in the end (after any retry), or <NOSRV>
+    steered_to: str  # the replica the hot-adapter rule chose for it; "" when the ring chose
+    connect_ms: int  # Tc: time to connect to that replica; -1 when no connection was made (the call never reached it)
+    total_ms: int  # Ta: from the request to the end of the response
+    status: int  # HTTP status: 200 for every answer from a gRPC server, 502/503 from HAProxy when none came
+    termination: str  # e.g. "----" (normal), "SD--" (the replica's connection ended while it streamed the answer)
+    retries: int
+    redispatched: bool  # retried on another replica
+
+    @property
+    def reached_server(self) -> bool:
+        """Whether the call got a connection to `server`, so that its request was sent there."""
+        return self.connect_ms >= 0
+
+
+def parse_request_log(text: str) -> list[FrontLogLine]:
+    """The calls in HAProxy's log, in the order they ended (other lines, such as server state changes, skipped)."""
+    lines = []
+    for match in map(REQUEST_LOG_LINE.match, text.splitlines()):
+        if match is None:
+            continue
+        retries = match["retries"]
+        lines.append(
+            FrontLogLine(
+                request_id=match["request_id"],
+                lora=match["lora"],
+                server=match["server"],
+                steered_to=match["hot"],
+                connect_ms=int(match["connect_ms"]),
+                total_ms=int(match["total_ms"]),
+                status=int(match["status"]),
+                termination=match["termination"],
+                retries=int(retries.lstrip("+")),
+                redispatched=retries.startswith("+"),
+            )
+        )
+    return lines
+
+
 @dataclass
 class Replica:
     """One `loraswap serve` process on a port the OS picked."""
@@ -131,35 +186,47 @@ class Replica:
         return f"127.0.0.1:{self.port}"
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-PR_SET_PDEATHSIG = 1
+# `python -c _LAUNCHER PID COMMAND...` sets its parent-death signal (PR_SET_PDEATHSIG, 1: SIGTERM when the thread
+# that started it ends, hence LocalFront._popen; Linux, kept across exec), exits if that parent (PID) is gone, and
+# becomes COMMAND: no replica or HAProxy outlives a killed benchmark or test. Not a preexec_fn: with one,
+# subprocess must fork() and run Python in the child, and a child forked while other threads were inside gRPC
+# died there of SIGSEGV (gRPC logs "skipping fork() handlers"), as replicas restarted beside a running closed loop
+# did (3 restarts of 9). Without one it uses vfork and execs at once.
+_LAUNCHER = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
-def _end_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies (Linux), so no replica outlives
-    a killed benchmark or test. One libc call, nothing that takes a lock another thread may hold."""
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _ending_with_parent(command: list[str]) -> list[str]:
+    """`command`, run so that it gets SIGTERM when the thread that starts it ends (Linux)."""
+    return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *command]
 
 
-def start_replica(serve_flags: list[str], log_path: Path, env: dict[str, str]) -> Replica:
-    """Start `loraswap serve --host 127.0.0.1 --port 0 ...`; the port is known once it prints it."""
+def start_replica(
+    serve_flags: list[str],
+    log_path: Path,
+    env: dict[str, str],
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> Replica:
+    """Start `loraswap serve --host 127.0.0.1 --port 0 ...` (with `popen`); the port is known once it prints it."""
     command = [sys.executable, "-m", "loraswap.client.command", "serve", "--host", "127.0.0.1", "--port", "0"]
     log = log_path.open("w")
-    process = subprocess.Popen(
-        [*command, *serve_flags],
+    process = popen(
+        _ending_with_parent([*command, *serve_flags]),
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
         env=env,
         start_new_session=True,
-        preexec_fn=_end_with_parent,  # noqa: PLW1509 - only a prctl call between fork and exec
     )
     replica = Replica(process=process, log_path=log_path)
     line = process.stdout.readline()  # "loraswap: listening on port N, loading MODEL"
     match = re.search(r"listening on port (\d+)", line)
     if match is None:
         process.kill()
-        raise RuntimeError(f"replica did not start: {line!r}; log: {log_path.read_text()[-2000:]}")
+        status = f"exit status {process.wait()}"
+        raise RuntimeError(f"replica did not start ({status}): {line!r}; log: {log_path.read_text()[-2000:]}")
     replica.port = int(match.group(1))
     # Keep draining stdout so the replica never blocks on a full pipe.
     threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
@@ -220,8 +287,14 @@ class LocalFront:
     started: list[Replica] = field(default_factory=list, init=False)
     haproxy: subprocess.Popen | None = field(default=None, init=False)
     port: int = field(default=0, init=False)
+    _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _restarts: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Every child is started from this one thread: a child's parent-death signal follows the thread that
+        # started it (Linux), and this one lasts as long as the front, whichever thread starts or restarts a
+        # replica (asyncio.to_thread's end when their event loop does).
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-front")
         self._owns_workdir = self.workdir is None
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="loraswap-front-"))
@@ -248,12 +321,13 @@ class LocalFront:
             raise FileNotFoundError("haproxy is not installed (Debian: apt-get install haproxy)")
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("HF_HUB_OFFLINE", "1")
+        self._env = env
         try:
             for index in range(self.replicas):
-                self.started.append(start_replica(self.serve_flags, self.workdir / f"replica{index + 1}.log", env))
-            ca_pem = None if self.replica_ca is None else self.replica_ca.read_bytes()
+                log_path = self.workdir / f"replica{index + 1}.log"
+                self.started.append(start_replica(self.serve_flags, log_path, env, self._popen))
             for replica in self.started:
-                wait_serving(replica.address, self.ready_timeout, ca_pem, replica)
+                wait_serving(replica.address, self.ready_timeout, self._replica_ca_pem(), replica)
             front_pem = self._front_pem()
             # Port 0: this process binds a socket the OS gives a port to and hands HAProxy its descriptor.
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -286,12 +360,11 @@ class LocalFront:
                 if check.returncode != 0:
                     raise RuntimeError(f"haproxy refused the rendered config: {check.stdout}{check.stderr}")
                 log = (self.workdir / "haproxy.log").open("w")
-                self.haproxy = subprocess.Popen(
-                    [haproxy, "-db", "-f", str(config)],
+                self.haproxy = self._popen(
+                    _ending_with_parent([haproxy, "-db", "-f", str(config)]),
                     stdout=log,
                     stderr=log,
                     pass_fds=[listener.fileno()],
-                    preexec_fn=_end_with_parent,  # noqa: PLW1509 - only a prctl call between fork and exec
                 )
             self._wait_for_front()
             self.wait_until_up(timeout=30)
@@ -311,10 +384,47 @@ class LocalFront:
         path.write_bytes(chain + (b"" if chain.endswith(b"\n") else b"\n") + self.tls_key.read_bytes())
         return path
 
+    def _popen(self, *args, **kwargs) -> subprocess.Popen:
+        """subprocess.Popen, run on the front's own thread."""
+        return self._spawner.submit(subprocess.Popen, *args, **kwargs).result()
+
+    def _replica_ca_pem(self) -> bytes | None:
+        return None if self.replica_ca is None else self.replica_ca.read_bytes()
+
     def replica_channel(self, index: int):
         """A blocking gRPC channel straight to replica `index` (0-based), past the front."""
-        ca_pem = None if self.replica_ca is None else self.replica_ca.read_bytes()
-        return replica_channel(self.started[index].address, ca_pem)
+        return replica_channel(self.started[index].address, self._replica_ca_pem())
+
+    def kill_replica(self, index: int) -> None:
+        """SIGKILL replica `index` (0-based) and reap it: it dies as in a crash, and the kernel closes its
+        connections (HAProxy's among them) at once."""
+        process = self.started[index].process
+        process.kill()
+        process.wait()
+
+    def restart_replica(self, index: int, timeout: float | None = None) -> Replica:
+        """Start replica `index` (0-based), which has exited, again: a new `loraswap serve` on a port the OS picks,
+        put in the old one's slot (HAProxy's `server replicaN`, through `set server ... addr` on the runtime API:
+        the same name and id, so the same points on the hash ring) once it is SERVING; returns when HAProxy's
+        checks see it up (`rise` passed checks). Its log is replicaN.restartK.log beside the first one."""
+        if self.started[index].process.poll() is None:
+            raise RuntimeError(f"replica{index + 1} is still running: kill or stop it first")
+        name = f"replica{index + 1}"
+        self._restarts += 1
+        log_path = self.workdir / f"{name}.restart{self._restarts}.log"
+        replica = start_replica(self.serve_flags, log_path, self._env, self._popen)
+        self.started[index] = replica
+        ready_timeout = self.ready_timeout if timeout is None else timeout
+        wait_serving(replica.address, ready_timeout, self._replica_ca_pem(), replica)
+        answer = self.runtime_api(f"set server loraswap_replicas/{name} addr 127.0.0.1 port {replica.port}")
+        if "changed" not in answer:
+            raise RuntimeError(f"haproxy did not move {name} to port {replica.port}: {answer.strip()}")
+        self.wait_until_up(timeout=30, replicas=[name])
+        return replica
+
+    def request_log(self) -> list[FrontLogLine]:
+        """Every call HAProxy has logged so far (a call is logged when it ends), in the order they ended."""
+        return parse_request_log((self.workdir / "haproxy.log").read_text(errors="replace"))
 
     def _wait_for_front(self) -> None:
         deadline = time.monotonic() + 10
@@ -381,6 +491,7 @@ class LocalFront:
                 process.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 process.kill()
+        self._spawner.shutdown()
         if remove_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

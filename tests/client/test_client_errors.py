@@ -215,6 +215,31 @@ def test_rpc_error_that_is_not_a_call_becomes_internal_error() -> None:
     assert error.reason is None
 
 
+class _EndedCall(grpc.RpcError):
+    """A call whose stream ended without a status, as grpc reports it (code UNKNOWN, details "Stream removed")."""
+
+    def __init__(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNKNOWN
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self):
+        return ()
+
+
+def test_a_stream_removed_under_the_call_is_unavailable_not_unknown() -> None:
+    """A replica killed behind HAProxy while it ran the call: retryable elsewhere, so Unavailable."""
+    error = error_from_rpc(_EndedCall("Stream removed (Data frame with END_STREAM flag received)"))
+    assert isinstance(error, Unavailable) and error.code is grpc.StatusCode.UNAVAILABLE
+    assert "Stream removed" in str(error)
+    other = error_from_rpc(_EndedCall("Exception iterating responses: boom"))
+    assert type(other) is InternalError and other.code is grpc.StatusCode.UNKNOWN
+
+
 @pytest.mark.parametrize(
     ("metadata", "expected_retry_after_s"),
     [

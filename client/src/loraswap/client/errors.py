@@ -211,6 +211,10 @@ _ERROR_CLASS_BY_CODE: dict[grpc.StatusCode, type[LoraswapError]] = {
 }
 
 
+# What grpc reports when a stream ends without a status (the transport under it closed).
+_STREAM_REMOVED = "Stream removed"
+
+
 def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> LoraswapError:
     """Turns a failed gRPC call (async or sync) into the matching LoraswapError.
 
@@ -221,6 +225,11 @@ def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> LoraswapError:
     code = _call_attribute(exc, "code") or grpc.StatusCode.UNKNOWN
     message = _call_attribute(exc, "details") or ""
     details = _status_details_from_metadata(_call_attribute(exc, "trailing_metadata"))
+    if code is grpc.StatusCode.UNKNOWN and details.error_info is None and message.startswith(_STREAM_REMOVED):
+        # The connection under the stream went away before any status came: a replica behind a proxy died while
+        # it ran the call (HAProxy 2.6 ends such a stream with no grpc-status). The server is unavailable.
+        code = grpc.StatusCode.UNAVAILABLE
+        message = f"the server went away while it ran the call ({message}); retry, on another replica if any"
     error_class = _ERROR_CLASS_BY_CODE.get(code, InternalError)
     return error_class(
         message,
