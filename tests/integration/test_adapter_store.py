@@ -77,7 +77,9 @@ def _write_with_text_encoder(pipe, directory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def store_server(store_dir):
-    running = await start_server(server_settings("tiny-flux", store_dir, max_adapter_bytes=MAX_ADAPTER_BYTES))
+    # --fuse never: the unfused slot's refusals (under auto a rank-32 adapter is served fused, test_fused_adapters).
+    settings = server_settings("tiny-flux", store_dir, max_adapter_bytes=MAX_ADAPTER_BYTES, fuse="never")
+    running = await start_server(settings)
     yield running
     await running.stop(1.0)
 

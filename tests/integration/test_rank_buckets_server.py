@@ -31,7 +31,10 @@ SEQUENCE = [
 
 async def test_images_equal_diffusers_in_every_bucket_and_nothing_recompiles(flux_adapter_dir, flux_reference):
     # eager: dynamo's tracing and guards, which decide recompilation, without compiling the graphs further.
-    settings = server_settings("tiny-flux", flux_adapter_dir, rank_buckets=BUCKETS[:-1], compile_backend="eager")
+    # --fuse never: every bucket graph is compiled and used (auto compiles only those its rule can choose).
+    settings = server_settings(
+        "tiny-flux", flux_adapter_dir, rank_buckets=BUCKETS[:-1], compile_backend="eager", fuse="never"
+    )
     running = await start_server(settings)
     try:
         async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:

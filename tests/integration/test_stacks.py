@@ -40,7 +40,8 @@ async def image_of(client: AsyncLoraswapClient, adapters=(), **single):
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack_server(flux_adapter_dir):
     """A fresh server, and its single-adapter and base images from before it held any stack."""
-    running = await start_server(server_settings("tiny-flux", flux_adapter_dir))
+    # --fuse never: stacks in the slot, and its STACK_RANK_EXCEEDED (fused stacks: test_fused_adapters).
+    running = await start_server(server_settings("tiny-flux", flux_adapter_dir, fuse="never"))
     try:
         async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:
             fresh = {

@@ -154,6 +154,34 @@ def test_a_merge_that_overflows_is_refused_and_leaves_the_pristine_weights() -> 
     assert fused.holds_pristine() and fused.touched == frozenset()
 
 
+def test_under_auto_a_stack_whose_merge_overflows_runs_unfused_and_keeps_that_choice() -> None:
+    """auto fuses only as the cheaper way: where the merge cannot be held but the slot can hold the adapter, the
+    request runs unfused, as under never (here its output overflows too: the unfused refusal, GENERATION_NOT_FINITE)."""
+    from loraswap.server.engine.types import GenerationRequest
+
+    runtime = start_runtime(
+        EngineConfig(model="tiny-flux", dtype="float16", max_rank=4, compile=False, warmup=False, torch_threads=1,
+                     fuse="auto")
+    )  # fmt: skip
+    name = runtime.slot.layer_names[-1]
+    layer = runtime.slot.base_layers()[name]
+    huge = CanonicalAdapter(
+        name="huge", source="test", warnings=(), load_ms=0.0,
+        layers={name: CanonicalLayer(a=torch.full((4, layer.in_features), 3000.0, dtype=torch.float16),
+                                     b=torch.full((layer.out_features, 4), 3000.0, dtype=torch.float16))},
+    )  # fmt: skip
+    params = runtime.request_rules.resolve(GenerationRequest(prompt="a red circle", seed=1, num_inference_steps=2))
+    stack = ((huge, 1.0),)
+    swaps: list[bool] = []
+    with pytest.raises(InvalidRequestError) as refused:
+        runtime.generate(params, stack, on_step=lambda progress: None, is_cancelled=lambda: False, fused=True,
+                         on_swap=lambda ms, fused: swaps.append(fused))  # fmt: skip
+    assert refused.value.reason == "GENERATION_NOT_FINITE", refused.value
+    assert swaps == [False] and not runtime.slot.fused and runtime.slot.fused_weights.holds_pristine()
+    assert runtime.fuse_choice(stack, params) is False  # the request keeps the unfused way
+    assert runtime.needs_swap(stack, False) is False  # and finds it resident
+
+
 def test_the_slot_serves_fused_and_unfused_in_any_order_with_the_same_bits(runtime, adapters) -> None:
     """Through the slot: an adapter fused, unfused and fused again, with the base model and stacks between."""
     from loraswap.server.engine.types import GenerationRequest

@@ -237,9 +237,9 @@ class GenerationScheduler:
             self.swaps += 1
             # Cold: this request waited for an adapter to be read and converted; warm: all were cached.
             path = SwapPath.COLD if job.adapter_load_ms > 0 else SwapPath.WARM
-            mode = SwapMode.FUSED if fused and job.stack else SwapMode.UNFUSED
 
-            def on_swap(swap_ms: float) -> None:
+            def on_swap(swap_ms: float, fused: bool) -> None:  # fused as done (auto may fall back to unfused)
+                mode = SwapMode.FUSED if fused and job.stack else SwapMode.UNFUSED
                 self._observer.swapped(path, mode, swap_ms / 1000.0)
 
         step_ended_ms = 0.0

@@ -172,8 +172,7 @@ class DiffusionRuntime:
         """
         if not stack or not self.config.fuses:
             return False
-        key = (tuple((adapter.name, scale) for adapter, scale in stack), params.num_inference_steps,
-               params.width, params.height)  # fmt: skip
+        key = self._choice_key(stack, params)
         chosen = self._fuse_choices.get(key)
         if chosen is None:
             chosen = self._choose_fused(stack, params.num_inference_steps + steps_after, params.width * params.height)
@@ -181,6 +180,12 @@ class DiffusionRuntime:
                 self._fuse_choices.pop(next(iter(self._fuse_choices)))
             self._fuse_choices[key] = chosen
         return chosen
+
+    @staticmethod
+    def _choice_key(stack: tuple[StackMember, ...], params: GenerationParams) -> tuple:
+        """What a request's fuse choice is remembered by: its adapters and strengths, steps and size."""
+        return (tuple((adapter.name, scale) for adapter, scale in stack), params.num_inference_steps,
+                params.width, params.height)  # fmt: skip
 
     def needs_swap(self, stack: tuple[StackMember, ...], fused: bool) -> bool:
         """Whether running `stack` (fused or not) changes what is resident: other adapters, or the same in the other
@@ -256,7 +261,7 @@ class DiffusionRuntime:
         is_cancelled: Callable[[], bool],
         timings: Timings | None = None,
         warnings: tuple[str, ...] = (),
-        on_swap: Callable[[float], None] | None = None,
+        on_swap: Callable[[float, bool], None] | None = None,
         fused: bool = False,
     ) -> GeneratedImage:
         """Swap `stack` in, run the pipeline streaming each step through on_step, encode the image.
@@ -271,14 +276,10 @@ class DiffusionRuntime:
             dtype=self.dtype,
         )  # fmt: skip
         with torch.inference_mode(), conv_guard:
-            merges = fused and self.needs_swap(stack, fused)
-            swap_ms = self.slot.load_stack(stack, fused=fused)
-            if merges and self.fuse_costs is not None:
-                summed = self.slot.summed_ranks(stack) or {}
-                touched = self.slot.fused_weights.pristine.weight_bytes(FusedWeights.layers_of(stack))
-                self.fuse_costs.observe_merge(swap_ms, touched, max(summed.values(), default=0))
-            if on_swap is not None:
-                on_swap(swap_ms)
+            swaps = self.needs_swap(stack, fused)
+            swap_ms, fused = self._swap_in(stack, params, fused)
+            if swaps and on_swap is not None:
+                on_swap(swap_ms, fused)
             started = time.perf_counter()
             last_step_at = started
 
@@ -323,6 +324,27 @@ class DiffusionRuntime:
             ),
             warnings=warnings,
         )
+
+    def _swap_in(self, stack: tuple[StackMember, ...], params: GenerationParams, fused: bool) -> tuple[float, bool]:
+        """Make `stack` resident, fused or not; returns (ms spent, whether it is fused).
+
+        Under auto, fusing is only the cheaper way: a stack whose merge would overflow the model's dtype but
+        fits the slot runs unfused instead (the request keeps that choice), as it would under never.
+        """
+        merges = fused and self.needs_swap(stack, fused)
+        try:
+            swap_ms = self.slot.load_stack(stack, fused=fused)
+        except InvalidRequestError as refused:
+            auto_may_unfuse = self.config.fuse == "auto" and self.slot.unfused_bucket(stack) is not None
+            if not (merges and auto_may_unfuse and refused.reason == ErrorReason.ADAPTER_OUT_OF_RANGE):
+                raise
+            self._fuse_choices[self._choice_key(stack, params)] = False
+            return self.slot.load_stack(stack, fused=False), False
+        if merges and self.fuse_costs is not None:
+            summed = self.slot.summed_ranks(stack) or {}
+            touched = self.slot.fused_weights.pristine.weight_bytes(FusedWeights.layers_of(stack))
+            self.fuse_costs.observe_merge(swap_ms, touched, max(summed.values(), default=0))
+        return swap_ms, fused
 
     def _pipeline_kwargs(self, params: GenerationParams) -> dict:
         kwargs = dict(
