@@ -18,7 +18,7 @@ STACK = [("r4-attn", 0.8), ("r8-context", 1.0)]
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_regional_compile_swaps_match_diffusers_without_recompiling(flux_adapter_dir, flux_reference):
-    # dynamo's guards decide recompilation; aot_eager has them without inductor's code generation.
+    # dynamo's guards decide recompilation; the test backend (eager) has them without inductor's code generation.
     running = await start_server(server_settings("tiny-flux", flux_adapter_dir, compile="regional"))
     try:
         denoiser = running.engine._require_runtime().denoiser

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -205,8 +206,20 @@ async def test_a_resident_stack_is_one_state_its_members_in_any_order_go_first(c
     assert queue_server.engine.swaps - swaps == 1  # only the base request swapped
 
 
-async def test_not_serving_while_warming_up_and_wait_for_ready_clients_wait(flux_adapter_dir):
-    running = await start_server(server_settings("tiny-flux", flux_adapter_dir), wait_until_serving=False)
+async def test_not_serving_while_warming_up_and_wait_for_ready_clients_wait(flux_adapter_dir, monkeypatch):
+    # The warm-up is held until the checks below have run, so that they see it under way however fast it would be.
+    from loraswap.server.engine.pipeline import startup
+
+    warm_up, release = startup.warm_up, threading.Event()
+
+    def held_warm_up(*args, **kwargs):
+        release.wait(120)
+        return warm_up(*args, **kwargs)
+
+    monkeypatch.setattr(startup, "warm_up", held_warm_up)
+    running = await start_server(
+        server_settings("tiny-flux", flux_adapter_dir, compile=False), wait_until_serving=False
+    )
     try:
         target = f"127.0.0.1:{running.port}"
         async with grpc.aio.insecure_channel(target) as channel:
@@ -217,7 +230,12 @@ async def test_not_serving_while_warming_up_and_wait_for_ready_clients_wait(flux
                 await impatient.generate_image("too early", seed=1)
         assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.UNAVAILABLE, "NOT_SERVING")
         async with AsyncLoraswapClient(target, default_timeout=120) as patient:
-            image = await patient.generate_image("worth the wait", seed=1, num_inference_steps=2)
+            waiting = asyncio.ensure_future(patient.generate_image("worth the wait", seed=1, num_inference_steps=2))
+            await asyncio.sleep(1.0)
+            assert not waiting.done() and not running.warming.done(), "the patient client was meant to be waiting"
+            release.set()
+            image = await waiting
         assert running.warming.done() and image.data
     finally:
+        release.set()
         await running.stop(1.0)

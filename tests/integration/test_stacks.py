@@ -1,6 +1,6 @@
 """Several adapters in one request: stacked side by side in the slot, equal to diffusers' multi-adapter result.
 
-Every test here runs on one fresh tiny-flux server of its own (max rank 16, aot_eager), whose single-adapter
+Every test here runs on one fresh, compiled tiny-flux server of its own (max rank 16), whose single-adapter
 and base-model images are taken before it ever holds a stack: after any stack, those must come back bit for bit.
 """
 
