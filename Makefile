@@ -20,8 +20,12 @@ install: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/loraswap demo --out out
 
+# Test files are shared out between TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, with
+# its servers); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
+
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q --durations=25 -m "not image"
+	$(BIN)/python -m pytest -q --durations=25 -m "not image" -n $(TEST_WORKERS) --dist loadfile
 
 # The container image: podman builds the Dockerfile on a local Debian base and serves a call from it (minutes; root).
 test-image: $(BIN)/.installed
