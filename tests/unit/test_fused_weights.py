@@ -220,3 +220,24 @@ def test_no_pristine_copies_without_fusing() -> None:
         runtime = start_runtime(EngineConfig(**{**config.__dict__, "compile": False, "warmup": False}))
         assert runtime.slot.fused_weights is None and runtime.describe()["fuse_pristine_bytes"] == 0
         assert not runtime.slot_spec().fuse
+
+
+def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_layer_bits() -> None:
+    """Rows do not mix in a merge: a layer merged in row blocks (CPU_SCRATCH_ELEMENTS) holds the bits of W0 + B A
+    computed over the whole layer in float32 and rounded once, blocks of uneven size included."""
+    from loraswap.server.engine.adapters.fused import CPU_SCRATCH_ELEMENTS, FusedWeights, PristineWeights
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1000, 1049, bias=False).to(torch.bfloat16)  # 1049 rows of 1000: 3 blocks, the last short
+    assert layer.weight.numel() > 2 * CPU_SCRATCH_ELEMENTS
+    w0 = layer.weight.detach().clone()
+    b, a = torch.randn(1049, 8, dtype=torch.bfloat16) * 0.05, torch.randn(8, 1000, dtype=torch.bfloat16) * 0.05
+    adapter = CanonicalAdapter(
+        name="big", source="test", warnings=(), load_ms=0.0, layers={"big": CanonicalLayer(a=a, b=b)}
+    )
+    fused = FusedWeights(PristineWeights({"big": layer}))
+    fused.merge(((adapter, 0.75),))
+    whole = torch.addmm(w0.float(), b.float() * 0.75, a.float()).to(torch.bfloat16)
+    assert torch.equal(layer.weight, whole)
+    fused.merge(())
+    assert torch.equal(layer.weight, w0)

@@ -1,10 +1,14 @@
 """What --fuse auto weighs, measured by the server on its own model at warm-up (see engine/fuse_policy.py).
 
 - A step's cost at each rank bucket the rule may choose and at the base model's graph: timed steps
-  of a default-size request, the median of the steady ones (the first step of a call is left out).
-- A merge's cost: two timed merges of random adapters over every slot layer, at the smallest bucket's
-  rank and at max rank, give the per-byte cost and the per-byte-and-rank cost (the factors' product);
-  the base weights are restored after each.
+  of a default-size request, the median of the steady ones (the first step of a call is left out),
+  the least of MEASURE_ROUNDS such calls, the graphs taken in turn round by round.
+- A merge's cost: timed merges of random adapters over every slot layer, at the smallest bucket's
+  rank and at max rank (the least of MEASURE_ROUNDS each), give the per-byte cost and the
+  per-byte-and-rank cost (the factors' product); the base weights are restored after each.
+
+The least of a few: other work on the machine only ever adds time, and a busy spell during one
+measurement must not decide the rule for the server's life (real merges correct it afterwards).
 """
 
 from __future__ import annotations
@@ -20,12 +24,25 @@ from loraswap.server.engine.fuse_policy import FuseCosts
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.types import GenerationRequest
 
-MEASURED_STEPS = 5  # per bucket: the first step of a call is left out, the median of the rest kept
+MEASURED_STEPS = 5  # per call: the first step is left out, the median of the rest kept
+MEASURE_ROUNDS = 3  # calls per bucket (and timed merges per rank); the least is kept
 MEASURE_PROMPT = "a measured step"
 
 
 def measure_step_ms(runtime: DiffusionRuntime, bucket: int) -> float:
-    """The median ms of a steady denoising step at the default size, computing at `bucket` (0: the base model)."""
+    """The ms of a steady denoising step at the default size computing at `bucket` (0: the base model): the least of
+    MEASURE_ROUNDS calls' medians."""
+    return min(_one_step_ms(runtime, bucket) for _ in range(MEASURE_ROUNDS))
+
+
+def measure_steps_ms(runtime: DiffusionRuntime, buckets: tuple[int, ...]) -> dict[int, float]:
+    """measure_step_ms of each bucket, the buckets taken in turn round by round so a busy spell hits them alike."""
+    rounds = [{bucket: _one_step_ms(runtime, bucket) for bucket in buckets} for _ in range(MEASURE_ROUNDS)]
+    return {bucket: min(measured[bucket] for measured in rounds) for bucket in buckets}
+
+
+def _one_step_ms(runtime: DiffusionRuntime, bucket: int) -> float:
+    """The median ms of a steady step of one default-size call computing at `bucket`."""
     params = runtime.request_rules.resolve(
         GenerationRequest(prompt=MEASURE_PROMPT, seed=0, num_inference_steps=MEASURED_STEPS)
     )
@@ -57,18 +74,20 @@ def _timed_merge_ms(runtime: DiffusionRuntime, rank: int) -> float:
     with torch.inference_mode():
         fused.merge(((adapter, 1.0),))  # the first merge also faults in the scratch memory: not timed
         fused.restore()
-        if runtime.device.type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-        started = time.perf_counter()
-        fused.merge(((adapter, 1.0),))
-        elapsed_ms = (time.perf_counter() - started) * 1000.0
-        fused.restore()
-    return elapsed_ms
+        timed = []
+        for _ in range(MEASURE_ROUNDS):
+            if runtime.device.type == "cuda":
+                torch.cuda.synchronize(runtime.device)
+            started = time.perf_counter()
+            fused.merge(((adapter, 1.0),))  # merge() reads its finiteness check back: the work is done
+            timed.append((time.perf_counter() - started) * 1000.0)
+            fused.restore()
+    return min(timed)
 
 
 def measure_fuse_costs(runtime: DiffusionRuntime, buckets: tuple[int, ...]) -> FuseCosts:
     """Step costs at `buckets` (the base model's 0 among them) and the merge's cost model, both measured."""
-    step_ms = {bucket: measure_step_ms(runtime, bucket) for bucket in buckets}
+    step_ms = measure_steps_ms(runtime, buckets)
     low, high = runtime.slot.rank_buckets[0], runtime.slot.max_rank
     weight_bytes = max(1, runtime.pristine_weight_bytes)
     low_ms = _timed_merge_ms(runtime, low)
