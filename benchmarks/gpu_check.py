@@ -7,13 +7,21 @@
 Each variant runs in a subprocess of its own (fresh GPU memory, fresh torch.compile state), one after the other:
 
 - `none` and `fp8`: the server's own DiffusionRuntime, made by start_runtime (the worker thread's object: slot, quantization, compile,
-  warm-up) on `random-flux` with a rank-64 slot, `--quantize none` / `fp8`; two rank-64 adapters over the slot's
-  layers are read by the server's loader and swapped before EVERY request, alternating, over `--requests`
-  generations at `--size`² and `--steps` steps. One untimed request at that size comes first: without
+  warm-up) on `random-flux` with a rank-64 slot, `--quantize none` / `fp8`, `--fuse never`; two rank-64 adapters
+  over the slot's layers are read by the server's loader and swapped before EVERY request, alternating, over
+  `--requests` generations at `--size`² and `--steps` steps. One untimed request at that size comes first: without
   `--warm-up` (the default, to fit the time limit) it compiles the graphs of that size; the recompilations
   reported are the graphs compiled during the timed requests, swaps included, which must stay 0.
+- `fused`: the same runtime with `--fuse always` (pristine copies of the slot layers' base weights kept on the
+  device; only the base model's graph compiled), the same two adapters swapped before every request, each swap a
+  merge into the base weights (W0 + B A, float32, one rounding): every step runs the base model's graph. The goal:
+  its seconds per image within 2% of bare's plus its swap (`fused_over_bare_plus_swap` <= 1.02).
 - `bare`: the same pipeline with no LoRA slot at all, compiled the same way, the same requests: the LoRA tax is
   none's seconds per image over bare's.
+
+Every variant encodes prompts at `--max-sequence-length` T5 tokens (default 512, FLUX.1-dev's real text length;
+the built-in random-flux serves 32 by default), so that seconds per image compare with published figures; the
+JSON says what it ran with (`max_sequence_length`, `size`, `steps`, `layers`, the environment).
 
 Figures per variant: seconds per image (median, wall clock around the whole generation: prompt encoding,
 denoising, VAE decode and PNG encoding), swap ms (median, from the runtime's timings), recompilations, peak GPU
@@ -30,6 +38,7 @@ stopped and reported as such.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -39,18 +48,33 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("none", "fp8", "bare")
+VARIANTS = ("none", "fp8", "bare", "fused")
+# The default order: the comparisons with bare first (fused's goal, then the LoRA tax), fp8 last, since it has yet
+# to finish within a device session (BENCHMARKS.md); a variant the time limit leaves no room for is reported skipped.
+DEFAULT_VARIANTS = ("bare", "fused", "none", "fp8")
+# FLUX.1-dev's prompt length in T5 tokens (diffusers' FluxPipeline default).
+FLUX_MAX_SEQUENCE_LENGTH = 512
 PROMPT = "a photo of a red fox in the snow, golden hour, 35 mm"
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: none, fp8, bare")
+    parser.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help="comma-separated, run in this order: none, fp8, bare, fused",
+    )
     parser.add_argument("--model", default="random-flux", help="built-in model (random-flux, random-sdxl, ...)")
     parser.add_argument("--layers", type=int, help="random-flux: double-stream blocks kept (default: full depth)")
     parser.add_argument("--size", type=int, default=1024, help="width and height in pixels")
     parser.add_argument("--steps", type=int, default=28, help="denoising steps per image")
+    parser.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=FLUX_MAX_SEQUENCE_LENGTH,
+        help="Flux: T5 tokens each prompt is encoded to, in every variant (FLUX.1-dev's is 512)",
+    )
     parser.add_argument("--requests", type=int, default=10, help="timed requests per variant")
     parser.add_argument("--rank", type=int, default=64, help="rank of the slot and of both adapters")
     parser.add_argument("--compile", default="regional", choices=("none", "full", "regional"))
@@ -76,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--size must be a positive multiple of 16; got {args.size}")
     if args.steps < 1 or args.requests < 1 or args.rank < 1:
         parser.error("--steps, --requests and --rank must be at least 1")
+    if not 1 <= args.max_sequence_length <= FLUX_MAX_SEQUENCE_LENGTH:
+        parser.error(f"--max-sequence-length must be 1 to {FLUX_MAX_SEQUENCE_LENGTH}; got {args.max_sequence_length}")
     if args.time_limit <= 0:
         parser.error("--time-limit must be positive")
     args.variant_list = variants
@@ -85,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- one variant, in a child process ----------------------------------------------------------------------------
 
 
-def _engine_config(args: argparse.Namespace, quantize: str):
+def _engine_config(args: argparse.Namespace, quantize: str, fuse: str):
     from loraswap.server.engine.config import EngineConfig
 
     return EngineConfig(
@@ -98,6 +124,7 @@ def _engine_config(args: argparse.Namespace, quantize: str):
         compile=args.compile,
         compile_mode=args.compile_mode,
         quantize=quantize,
+        fuse=fuse,
         torch_threads=None,
         warmup=args.warm_up,
     )
@@ -137,16 +164,27 @@ def _memory(device: str) -> dict:
     return {"peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 1024**3, 2)}
 
 
-def run_slot_variant(args: argparse.Namespace, quantize: str) -> dict:
-    """The server's runtime with a slot: swap before every request, alternating two adapters."""
+def _with_sequence_length(runtime, length: int) -> int | None:
+    """Make the runtime encode prompts at `length` T5 tokens (Flux; SDXL has no such setting); returns the length
+    it runs with. The engine takes it from the model's defaults only (random-flux: 32), so the check sets them."""
+    if runtime.defaults.max_sequence_length is None:
+        return None
+    runtime.defaults = dataclasses.replace(runtime.defaults, max_sequence_length=length)
+    return length
+
+
+def run_slot_variant(args: argparse.Namespace, quantize: str, fused: bool = False) -> dict:
+    """The server's runtime with a slot: swap before every request, alternating two adapters; `fused`: each swap
+    merges the adapter into the base weights (--fuse always)."""
     from loraswap.server.engine.adapters.canonical import load_canonical
     from loraswap.server.engine.adapters.sources import AdapterFile
     from loraswap.server.engine.pipeline.startup import start_runtime
     from loraswap.server.engine.types import GenerationRequest
 
     started = time.perf_counter()
-    runtime = start_runtime(_engine_config(args, quantize))
+    runtime = start_runtime(_engine_config(args, quantize, "always" if fused else "never"))
     startup_s = time.perf_counter() - started
+    sequence_length = _with_sequence_length(runtime, args.max_sequence_length)
     with tempfile.TemporaryDirectory() as folder:
         adapters = []
         for seed in (1, 2):
@@ -165,7 +203,10 @@ def run_slot_variant(args: argparse.Namespace, quantize: str) -> dict:
             ((adapters[index % 2], 1.0),),
             on_step=lambda progress: None,
             is_cancelled=lambda: False,
+            fused=fused,
         )
+        if image.fused != fused:
+            raise RuntimeError(f"asked for fused={fused}, the runtime made the image with fused={image.fused}")
         swaps_ms.append(image.timings.adapter_swap_ms)
         return image
 
@@ -184,6 +225,9 @@ def run_slot_variant(args: argparse.Namespace, quantize: str) -> dict:
         "first_request_s": round(first_s, 2),
         "denoiser_weight_gib": round(runtime.denoiser_weight_bytes / 1024**3, 2),
         "slot_layers": len(runtime.target_layers),
+        "fused": fused,
+        "fuse_pristine_gib": round(runtime.pristine_bytes / 1024**3, 2),
+        "max_sequence_length": sequence_length,
         **_memory(args.device),
     }
 
@@ -193,10 +237,12 @@ def run_bare_variant(args: argparse.Namespace) -> dict:
     import torch
 
     from loraswap.server.engine.families import family_of
-    from loraswap.server.engine.models import load_pipeline
+    from loraswap.server.engine.models import generation_defaults, load_pipeline
 
     started = time.perf_counter()
     pipe = load_pipeline(args.model, torch.bfloat16, args.layers)
+    takes_length = generation_defaults(args.model, pipe).max_sequence_length is not None
+    length = {"max_sequence_length": args.max_sequence_length} if takes_length else {}
     pipe.set_progress_bar_config(disable=True)
     pipe.to(args.device)
     denoiser = family_of(pipe).denoiser(pipe)
@@ -216,7 +262,7 @@ def run_bare_variant(args: argparse.Namespace) -> dict:
                 height=args.size,
                 num_inference_steps=args.steps,
                 generator=torch.Generator("cpu").manual_seed(index),
-                max_sequence_length=32,
+                **length,
             ).images[0]
 
     first_s = _timed(generate, 1)[0]
@@ -226,6 +272,7 @@ def run_bare_variant(args: argparse.Namespace) -> dict:
         "seconds_per_image_all": [round(s, 3) for s in seconds],
         "startup_s": round(startup_s, 1),
         "first_request_s": round(first_s, 2),
+        "max_sequence_length": length.get("max_sequence_length"),
         **_memory(args.device),
     }
 
@@ -237,6 +284,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats()
     if args.variant == "bare":
         return run_bare_variant(args)
+    if args.variant == "fused":
+        return run_slot_variant(args, "none", fused=True)
     return run_slot_variant(args, args.variant)
 
 
@@ -277,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers or "full depth",
         "size": args.size,
         "steps": args.steps,
+        "max_sequence_length": args.max_sequence_length,
         "requests": args.requests,
         "rank": args.rank,
         "compile": args.compile,
@@ -329,6 +379,13 @@ def _summarise(report: dict) -> None:
         report["lora_tax"] = round(seconds("none") / seconds("bare"), 4)
     if seconds("fp8") and seconds("none"):
         report["fp8_speedup"] = round(seconds("none") / seconds("fp8"), 3)
+    if seconds("fused") and seconds("bare"):
+        # The goal: a fused image costs what bare's does plus its swap (the merge), within 2%.
+        swap_s = variants["fused"]["swap_ms"] / 1000.0
+        report["fused_over_bare"] = round(seconds("fused") / seconds("bare"), 4)
+        report["fused_over_bare_plus_swap"] = round(seconds("fused") / (seconds("bare") + swap_s), 4)
+    if seconds("fused") and seconds("none"):
+        report["fused_speedup_over_none"] = round(seconds("none") / seconds("fused"), 3)
 
 
 if __name__ == "__main__":
