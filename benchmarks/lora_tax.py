@@ -12,10 +12,14 @@ whatever it holds). Each copy is compiled (`--backend`, inductor by default) thr
 graph-counting backend. Variants of our slot: nothing resident (`slot_base`: the LoRA branch
 skipped), rank-8, -32 and -64 adapters (each computing at its rank bucket), and, as the slot was
 before buckets, nothing resident and rank 8 computed at the full max rank (`*_full_width`).
-Every variant runs once untimed (its compile: `compile_s`), then `--repeats` rounds time one
+Fused (`fused_r8`, `fused_r32`, `fused_r64`): the same adapters merged into the base weights of
+the slot layers (adapters/fused.py, from pristine copies kept apart as --fuse does), the slot's
+copy then running the base model's graph; the copies share their base weights, so every other
+variant first puts W0 back (untimed). Every variant runs once untimed (its compile: `compile_s`), then `--repeats` rounds time one
 forward of each, variants interleaved and the order rotated every round so that machine noise
 hits them alike. With `--quantize int8wo` (default when the engine has quantization) the whole
-set is measured again with the base linear weights quantized by torchao. The last line printed
+set is measured again with the base linear weights quantized by torchao (without the fused
+variants: the server never fuses quantized weights). The last line printed
 is one JSON object; progress goes to stderr.
 """
 
@@ -45,7 +49,8 @@ DEFAULT_REPEATS = 7
 ADAPTER_RANKS = (8, 32, 64)
 DIFFUSERS_ADAPTER_RANK = 8
 
-# name -> (copy, resident rank or None, compute at the full max rank like the slot before buckets)
+# name -> (how it runs, resident rank or None, compute at the full max rank like the slot before buckets);
+# "fused" runs the slot's copy with the adapter merged into the base weights (the base model's graph).
 VARIANTS = {
     "bare": ("bare", None, False),
     "slot_base": ("slot", None, False),
@@ -54,8 +59,12 @@ VARIANTS = {
     "slot_r8_full_width": ("slot", 8, True),
     "slot_r32": ("slot", 32, False),
     "slot_r64": ("slot", 64, False),
+    "fused_r8": ("fused", 8, False),
+    "fused_r32": ("fused", 32, False),
+    "fused_r64": ("fused", 64, False),
     "diffusers_hotswap": ("diffusers", DIFFUSERS_ADAPTER_RANK, False),
 }
+FUSED_VARIANTS = tuple(name for name, (how, _, _) in VARIANTS.items() if how == "fused")
 
 
 def _random_adapter(denoiser, layer_names: list[str], rank: int, seed: int):
@@ -115,6 +124,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
     """Build the three copies, compile each, then time every variant interleaved; one result dict."""
     import torch
 
+    from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
     from loraswap.server.engine.adapters.slot import HotswapSlot
     from loraswap.server.engine.pipeline.compile import CountingBackend
     from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
@@ -138,6 +148,9 @@ def measure(pipe, traits, args, quantization: str) -> dict:
 
         for module in copies.values():
             quantize_denoiser(module, quantization)
+    else:
+        # What --fuse auto|always keeps at start-up: the slot layers' W0, apart, to merge from.
+        slot.fused_weights = FusedWeights(PristineWeights(slot.base_layers()))
     adapters = {rank: _random_adapter(base, layer_names, rank, seed=rank) for rank in ADAPTER_RANKS}
     counters = {}
     for name, module in copies.items():
@@ -147,20 +160,30 @@ def measure(pipe, traits, args, quantization: str) -> dict:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(slot.graph_buckets))
 
     computes_at: dict[str, int] = {}
+    merges_ms: dict[str, list[float]] = {variant: [] for variant in FUSED_VARIANTS}
 
     def run(variant: str) -> float:
         which, rank, full_width = VARIANTS[variant]
-        if which == "slot":
-            slot.load(adapters[rank] if rank else None)
-        module = copies[which]
-        with torch.inference_mode(), slot.computing_at(args.max_rank) if full_width else contextlib.nullcontext():
+        with torch.inference_mode():
             if which == "slot":
+                slot.load(adapters[rank] if rank else None)  # puts W0 back first if a merge is resident
+            elif which == "fused":
+                members = ((adapters[rank], 1.0),)
+                merges = not (slot.fused and slot.holds(members))
+                merge_ms = slot.load_stack(members, fused=True)
+                if merges:
+                    merges_ms[variant].append(merge_ms)
+            elif slot.fused:
+                slot.load(None)  # the copies share base weights: bare and diffusers' run on W0
+        module = copies["slot" if which == "fused" else which]
+        with torch.inference_mode(), slot.computing_at(args.max_rank) if full_width else contextlib.nullcontext():
+            if which in ("slot", "fused"):
                 computes_at[variant] = slot.bucket
             started = time.perf_counter()
             module(*call_args, **call_kwargs)
             return time.perf_counter() - started
 
-    variants = list(VARIANTS)
+    variants = [name for name in VARIANTS if quantization == "none" or name not in FUSED_VARIANTS]
     compile_s = {}
     for variant in variants:
         log(f"[{quantization}] first call (compile) of {variant}")
@@ -185,10 +208,23 @@ def measure(pipe, traits, args, quantization: str) -> dict:
             "first_call_s": round(compile_s[variant], 2),
             **({"computes_at_rank": computes_at[variant]} if variant in computes_at else {}),
         }
+        if variant in FUSED_VARIANTS:
+            # What the merge costs against what it saves per forward over the same adapter unfused.
+            merge_ms = statistics.median(merges_ms[variant])
+            unfused_ms = results[f"slot_r{VARIANTS[variant][1]}"]["median_ms"]
+            saving_ms = unfused_ms - median_ms
+            results[variant].update(
+                merge_ms=round(merge_ms, 2),
+                merges=len(merges_ms[variant]),
+                over_slot_base_pct=round((median_ms / results["slot_base"]["median_ms"] - 1.0) * 100.0, 2),
+                saving_ms_per_forward=round(saving_ms, 2),
+                merge_pays_after_forwards=round(merge_ms / saving_ms, 2) if saving_ms > 0 else None,
+            )
     return {
         "quantization": quantization,
         "slot_layers": len(layer_names),
         "rank_buckets": list(buckets),
+        "pristine_bytes": slot.fused_weights.pristine.nbytes if slot.fused_weights is not None else 0,
         "variants": results,
         "graphs": {name: counter.graphs_compiled for name, counter in counters.items()},
         "recompilations": sum(counters[name].graphs_compiled - graphs_at_ready[name] for name in counters),

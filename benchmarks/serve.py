@@ -2,6 +2,7 @@
 
     python -m benchmarks.serve                                     # tiny-flux
     python -m benchmarks.serve --model random-sdxl --size 64 --steps 2 --mix-requests 24
+    python -m benchmarks.serve --fuse                              # shapes: --fuse never / always / auto
 
 What it measures, in order (see BENCHMARKS.md for what each figure means):
 
@@ -20,6 +21,16 @@ What it measures, in order (see BENCHMARKS.md for what each figure means):
    just that (no direct baseline, change/keep or throughput runs), to keep the
    full-size random models bounded.
 
+`--fuse` measures something else instead: one server per `--fuse-policies` policy
+(never, always, auto; `shapes` unless --model says otherwise), all started before
+any timing and only one of them busy at a time, each given two workloads round by
+round, the policies' order rotated every round: "switching" (a different adapter
+every request, `--switch-steps` steps) and "runs" (runs of `--run-length` requests
+of one adapter, `--run-steps` steps). Per policy and workload: images per second
+(median over rounds), p50/p99 latency, how many images came fused (`Image.fused`),
+and what GetServerInfo says (policy, pristine bytes, recompilations); for auto, the
+figures its rule weighed (the server's `--fuse auto:` log line).
+
 Random full-size models are exported to a temporary diffusers folder that the
 server loads with `--model DIR` (the real denoiser; tiny text encoders and VAE).
 The last line printed is one JSON object; progress goes to stderr.
@@ -34,6 +45,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +57,11 @@ from benchmarks.processes import stop_process, wait_for_serving_line
 from benchmarks.swap import ATTENTION_PROJECTIONS, log, machine_info, summarize
 
 DEFAULT_MODEL = "tiny-flux"
+DEFAULT_FUSE_MODEL = "shapes"  # --fuse: a trained model with shipped adapters, whose steps are cheap
+FUSE_POLICIES = ("never", "always", "auto")
+# --fuse: random adapters written beside the shipped ones, over every slot layer, so the switching workload
+# meets every rank bucket (the shipped ones are rank 16 on a few layers).
+FUSE_RANDOM_RANKS = (32, 64)
 DEFAULT_THREADS = 1
 ZIPF_EXPONENT = 1.1
 PROMPT = "a lighthouse at dusk, oil painting"
@@ -251,17 +268,19 @@ class ServerProcess:
 # --------------------------------------------------------------------------- the client side (no torch)
 
 
-async def timed_request(client, adapter: str, args, preview_every: int = 0) -> dict:
-    """One Generate call: when it was sent, when each Progress arrived, when the image arrived."""
+async def timed_request(client, adapter: str, args, preview_every: int = 0, steps: int | None = None) -> dict:
+    """One Generate call (`steps`: None, --steps): when it was sent, when each Progress arrived, when the image
+    arrived."""
     from loraswap.client import GeneratedImage, Progress
 
+    steps = args.steps if steps is None else steps
     sent = time.perf_counter()
     progress_at: list[float] = []
     progress_ms: list[float] = []
     preview_bytes: list[int] = []
     image = None
     async for event in client.generate(
-        PROMPT, adapter=adapter, seed=0, num_inference_steps=args.steps, width=args.size, height=args.size,
+        PROMPT, adapter=adapter, seed=0, num_inference_steps=steps, width=args.size, height=args.size,
         preview_every=preview_every,
     ):  # fmt: skip
         if isinstance(event, Progress):
@@ -272,7 +291,7 @@ async def timed_request(client, adapter: str, args, preview_every: int = 0) -> d
         elif isinstance(event, GeneratedImage):
             image = event
     done = time.perf_counter()
-    if image is None or len(progress_at) != args.steps:
+    if image is None or len(progress_at) != steps:
         raise RuntimeError(f"request for {adapter!r} ended with {len(progress_at)} progress events and no image")
     return {
         "latency_s": done - sent,
@@ -280,6 +299,7 @@ async def timed_request(client, adapter: str, args, preview_every: int = 0) -> d
         "client_steps_s": [b - a for a, b in itertools.pairwise(progress_at)],
         "server_steps_s": [(b - a) / 1000.0 for a, b in itertools.pairwise(progress_ms)],
         "swap_ms": image.timings.adapter_swap_ms,
+        "fused": image.fused,
         "preview_bytes": preview_bytes,
     }
 
@@ -419,12 +439,221 @@ async def measure_throughput(args, target: str) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- --fuse: never / always / auto
+
+
+def write_fuse_adapters(pipe, model: str, adapter_dir: Path) -> list[str]:
+    """The adapters of the --fuse workloads: the model's shipped ones (copied) and FUSE_RANDOM_RANKS random ones
+    on its family's default slot layers, small enough to leave images sane; returns their names."""
+    from loraswap.server.devtools.random_adapter import write_random_adapter
+    from loraswap.server.engine.families import family_of
+    from loraswap.server.engine.models import BUILTINS
+
+    names = []
+    shipped = BUILTINS[model].adapter_dir if model in BUILTINS else None
+    if shipped is not None:
+        for folder in sorted(path for path in shipped.iterdir() if path.is_dir()):
+            shutil.copytree(folder, adapter_dir / folder.name)
+            names.append(folder.name)
+    targets = family_of(pipe).default_target_modules
+    for rank in FUSE_RANDOM_RANKS:
+        name = f"random-r{rank}"
+        write_random_adapter(pipe, adapter_dir / name, rank=rank, target_modules=targets, seed=rank, init_std=0.01)
+        names.append(name)
+    return names
+
+
+def fuse_workloads(args, adapters: list[str]) -> dict[str, list[tuple[str, int]]]:
+    """(adapter, steps) per request of each workload: "switching" changes adapter every request, "runs" keeps one
+    adapter for --run-length requests at a time."""
+    switching = [(adapters[index % len(adapters)], args.switch_steps) for index in range(args.fuse_requests)]
+    runs = [
+        (adapters[(index // args.run_length) % len(adapters)], args.run_steps) for index in range(args.fuse_requests)
+    ]
+    return {"switching": switching, "runs": runs}
+
+
+async def run_workload(target: str, requests: list[tuple[str, int]], args) -> dict:
+    """`--fuse-clients` closed-loop clients, one channel each, draining `requests` in order."""
+    from loraswap.client import AsyncLoraswapClient
+
+    queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+    for request in requests:
+        queue.put_nowait(request)
+    records: list[dict] = []
+
+    async def client_loop() -> None:
+        async with AsyncLoraswapClient(target, default_timeout=3600) as client:
+            while True:
+                try:
+                    adapter, steps = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                records.append(await timed_request(client, adapter, args, steps=steps))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(args.fuse_clients)))
+    return {"wall_s": time.perf_counter() - started, "records": records}
+
+
+async def measure_fuse_policies(args, ports: dict[str, int], adapters: list[str]) -> dict:
+    """Each workload on each policy's server, round by round with the policies' order rotated; a first untimed
+    pass of each workload warms every server (each adapter preloaded and merged or copied once)."""
+    from loraswap.client import AsyncLoraswapClient
+
+    workloads = fuse_workloads(args, adapters)
+    policies = list(ports)
+    targets = {policy: f"127.0.0.1:{port}" for policy, port in ports.items()}
+    for policy, target in targets.items():
+        async with AsyncLoraswapClient(target, default_timeout=3600) as client:
+            for name in adapters:
+                await client.preload_adapter(name)
+        for requests in workloads.values():
+            await run_workload(target, requests, args)
+    rounds: dict[str, dict[str, list[dict]]] = {w: {p: [] for p in policies} for w in workloads}
+    for round_index in range(args.fuse_rounds):
+        shift = round_index % len(policies)
+        for workload, requests in workloads.items():
+            for policy in policies[shift:] + policies[:shift]:
+                rounds[workload][policy].append(await run_workload(targets[policy], requests, args))
+        log(f"--fuse: round {round_index + 1}/{args.fuse_rounds}")
+    infos = {}
+    for policy, target in targets.items():
+        async with AsyncLoraswapClient(target, default_timeout=3600) as client:
+            info = await client.server_info()
+        infos[policy] = {
+            "fuse": info.fuse, "fuse_pristine_bytes": info.fuse_pristine_bytes,
+            "recompilations": info.recompilations, "rank_buckets": list(info.rank_buckets),
+        }  # fmt: skip
+    return {"rounds": rounds, "server_info": infos, "workloads": workloads}
+
+
+def summarize_fuse(measured: dict, args) -> dict:
+    """Per workload and policy: images/s (median over rounds), latency percentiles over every timed request, the
+    images that came fused, swaps; and the goals' ratios: auto against the better fixed policy and against never."""
+    summary = {}
+    for workload, by_policy in measured["rounds"].items():
+        figures = {}
+        for policy, rounds in by_policy.items():
+            records = [record for one in rounds for record in one["records"]]
+            latencies = [record["latency_s"] for record in records]
+            swapped = [record for record in records if record["swap_ms"] > 0]
+            fused_swaps = [record["swap_ms"] for record in swapped if record["fused"]]
+            unfused_swaps = [record["swap_ms"] for record in swapped if not record["fused"]]
+            figures[policy] = {
+                "images_per_s": statistics.median(len(one["records"]) / one["wall_s"] for one in rounds),
+                "images_per_s_by_round": [len(one["records"]) / one["wall_s"] for one in rounds],
+                "latency_s": {"p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99)},
+                "images": len(records),
+                "fused_images": sum(record["fused"] for record in records),
+                "swaps": len(swapped),
+                "fused_swaps": len(fused_swaps),
+                "unfused_swaps": len(unfused_swaps),
+                "swap_ms_median": {
+                    "fused": statistics.median(fused_swaps) if fused_swaps else None,
+                    "unfused": statistics.median(unfused_swaps) if unfused_swaps else None,
+                },
+            }
+        rate = {policy: values["images_per_s"] for policy, values in figures.items()}
+        fixed = {policy: rate[policy] for policy in ("never", "always") if policy in rate}
+        goals = {}
+        if "auto" in rate and fixed:
+            best = max(fixed, key=fixed.get)
+            goals = {
+                "better_fixed_policy": best,
+                "auto_over_better_fixed": rate["auto"] / fixed[best],
+                "auto_over_never": rate["auto"] / rate["never"] if "never" in rate else None,
+                "always_over_never": rate["always"] / rate["never"] if len(fixed) == 2 else None,
+            }
+        steps = measured["workloads"][workload][0][1]
+        summary[workload] = {
+            "steps": steps,
+            "requests_per_round": len(measured["workloads"][workload]),
+            "adapter_changes": "every request" if workload == "switching" else f"every {args.run_length} requests",
+            "policies": figures,
+            "goals": goals,
+        }
+    return summary
+
+
+def auto_rule_figures(log_path: Path) -> str | None:
+    """The `--fuse auto:` line the server logs at start-up (its measured step and merge costs), if any."""
+    for line in log_path.read_text().splitlines():
+        if "--fuse auto:" in line:
+            return line[line.index("--fuse auto:") :].strip()
+    return None
+
+
+def run_fuse_comparison(args) -> dict:
+    """--fuse: the two workloads on a server per policy, interleaved; one result dict."""
+    import torch
+
+    run_started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="loraswap-serve-fuse-") as temp:
+        workdir = Path(temp)
+        adapter_dir = workdir / "adapters"
+        adapter_dir.mkdir()
+        log(f"preparing {args.model}")
+        model, pipe, _ = prepare_model(args, workdir)
+        adapters = write_fuse_adapters(pipe, args.model, adapter_dir)
+        del pipe
+        gc.collect()
+        log(f"adapters: {', '.join(adapters)}; starting a server per policy: {', '.join(args.fuse_policy_list)}")
+        spawned = time.perf_counter()
+        servers = {
+            policy: ServerProcess(
+                args, model, adapter_dir, workdir / f"server-{policy}.log",
+                ("--fuse", policy, "--log-level", "INFO"),
+            )
+            for policy in args.fuse_policy_list
+        }  # fmt: skip
+        try:
+            for server in servers.values():
+                server.wait_until_serving(SERVER_START_TIMEOUT_S)
+            startup_s = time.perf_counter() - spawned  # started together: until the last one serves
+            log(f"{len(servers)} servers serving after {startup_s:.1f} s")
+            measured = asyncio.run(
+                measure_fuse_policies(args, {policy: server.port for policy, server in servers.items()}, adapters)
+            )
+        finally:
+            for server in servers.values():
+                server.stop()
+        auto_figures = auto_rule_figures(servers["auto"].log_path) if "auto" in servers else None
+    return {
+        "benchmark": "serve_fuse",
+        "model": args.model,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "device": "cpu",
+        "torch_threads": args.threads,
+        "compile_backend": args.compile_backend,
+        "size": args.size,
+        "max_rank": args.max_rank,
+        "clients": args.fuse_clients,
+        "rounds": args.fuse_rounds,
+        "adapters": adapters,
+        "workloads": summarize_fuse(measured, args),
+        "server_info": measured["server_info"],
+        "auto_rule": auto_figures,
+        "recompilations": sum(info["recompilations"] for info in measured["server_info"].values()),
+        "servers_ready_s": startup_s,
+        "load_average": os.getloadavg(),
+        "torch": torch.__version__,
+        "machine": machine_info(),
+        "elapsed_s": time.perf_counter() - run_started,
+    }
+
+
 # --------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="tiny-flux, tiny-sdxl, random-sdxl or random-flux")
+    parser.add_argument(
+        "--model", default=None,
+        help=f"tiny-flux, tiny-sdxl, random-sdxl, random-flux or shapes (default: {DEFAULT_MODEL}; "
+        f"{DEFAULT_FUSE_MODEL} with --fuse)",
+    )  # fmt: skip
     parser.add_argument("--layers", type=int, default=None, help="random-flux only: double-stream blocks to keep")
     parser.add_argument("--size", type=int, default=64, help="image width and height")
     parser.add_argument("--steps", type=int, default=4, help="denoising steps per request")
@@ -442,8 +671,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--previews-only", action="store_true",
         help="measure only the step previews' cost (no direct baseline, change/keep or throughput runs)",
     )  # fmt: skip
+    fuse = parser.add_argument_group("--fuse: never, always and auto side by side")
+    fuse.add_argument(
+        "--fuse", action="store_true",
+        help="compare the server's --fuse policies on two workloads instead of the measurements above",
+    )  # fmt: skip
+    fuse.add_argument("--fuse-policies", default=",".join(FUSE_POLICIES), help="comma-separated --fuse policies")
+    fuse.add_argument("--switch-steps", type=int, default=2, help='steps per request of the "switching" workload')
+    fuse.add_argument("--run-steps", type=int, default=20, help='steps per request of the "runs" workload')
+    fuse.add_argument("--run-length", type=int, default=4, help='requests per adapter in the "runs" workload')
+    fuse.add_argument("--fuse-requests", type=int, default=12, help="requests per workload, policy and round")
+    fuse.add_argument("--fuse-rounds", type=int, default=5, help="timed rounds (after one untimed pass)")
+    fuse.add_argument("--fuse-clients", type=int, default=2, help="concurrent closed-loop clients per workload")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
+    if args.model is None:
+        args.model = DEFAULT_FUSE_MODEL if args.fuse else DEFAULT_MODEL
+    args.fuse_policy_list = [policy.strip() for policy in args.fuse_policies.split(",") if policy.strip()]
+    if args.fuse:
+        unknown = [policy for policy in args.fuse_policy_list if policy not in FUSE_POLICIES]
+        if unknown or not args.fuse_policy_list:
+            parser.error(f"--fuse-policies takes some of {', '.join(FUSE_POLICIES)}; got {args.fuse_policies!r}")
+        if min(args.switch_steps, args.run_steps, args.run_length, args.fuse_requests, args.fuse_rounds,
+               args.fuse_clients) < 1:  # fmt: skip
+            parser.error("--switch-steps, --run-steps, --run-length and the --fuse-* counts must be at least 1")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.model.startswith("random-") else "float32"
     if args.adapters < 2 or args.repeats < 1 or args.clients < 1 or args.steps < 2:
@@ -465,6 +716,12 @@ def main(argv: list[str] | None = None) -> dict:
     import diffusers
 
     diffusers.utils.logging.set_verbosity_error()
+    if args.fuse:
+        result = run_fuse_comparison(args)
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result), flush=True)
+        return result
     run_started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="loraswap-serve-bench-") as temp:
         workdir = Path(temp)

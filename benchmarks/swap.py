@@ -8,7 +8,10 @@ Every path swaps between two adapters of the same rank (the headline), then
 again between two of different ranks (reported under "mixed_rank"). The
 stack paths swap between two stacks of `--stack-members` adapters of rank
 rank / members on the same layers, so that a stack holds the bytes of one
-headline adapter (reported under "stack"). Each swap
+headline adapter (reported under "stack"). The fused path merges each adapter into
+the base weights instead (W0 + B A from pristine copies, float32, one rounding;
+adapters/fused.py), beside its own floor (copy W0 into the touched weights, plus the
+factors' product in float32). Each swap
 is timed with perf_counter around the whole path, from "a different adapter
 is wanted" to "the model would now run with it". The first swap of each path
 on a clean model is reported apart ("first_swap_s"); then one warm-up swap is
@@ -60,7 +63,13 @@ PATHS = (
     "loraswap_warm",
     "floor_copy",
     "floor_read_copy",
+    "loraswap_fuse",
+    "floor_fuse",
 )
+# The paths that merge into the base weights: they need the pristine copies of the slot layers' weights.
+FUSE_PATHS = ("loraswap_fuse", "floor_fuse")
+# Fused swaps timed under torch.profiler for --profile-fuse (the op breakdown of FusedWeights.merge).
+PROFILED_FUSE_SWAPS = 4
 # Measured over a pair of stacks (tuples of adapter files) instead of a pair of adapters.
 STACK_PATHS = ("loraswap_stack", "floor_copy_stack")
 
@@ -78,6 +87,20 @@ def summarize(samples: list[float]) -> dict[str, float]:
         "max_s": max(samples),
         "n": len(samples),
     }
+
+
+def summarize_swaps(samples: list[tuple[float, float]]) -> dict[str, float]:
+    """`summarize` of the wall-clock seconds of (wall, CPU) samples, plus the median CPU seconds of the measuring
+    thread (time.thread_time: with one torch thread all the work is on it), which another process on the same
+    cores inflates far less than the wall clock."""
+    return {**summarize([wall for wall, _ in samples]), "cpu_median_s": statistics.median(cpu for _, cpu in samples)}
+
+
+def timed(function: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock and this thread's CPU seconds of one call."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    function()
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def machine_info() -> dict[str, object]:
@@ -179,23 +202,38 @@ class SwapBench:
 
     def measure(
         self, pair: tuple[Path, Path], first: Callable[[Path], None], swap: Callable[[Path], None]
-    ) -> tuple[float, list[tuple[Path, float]]]:
+    ) -> tuple[float, list[tuple[Path, float, float]]]:
         """`first` loads pair[0] on a clean model (timed alone); then 1 + repeats alternating swaps, the first dropped.
 
-        Returns the first swap's seconds and (adapter swapped to, seconds) for each kept swap.
+        Returns the first swap's seconds and (adapter swapped to, wall seconds, CPU seconds) for each kept swap.
         """
-        started = time.perf_counter()
-        first(pair[0])
-        first_s = time.perf_counter() - started
+        first_s, _ = timed(lambda: first(pair[0]))
         samples = []
         for index in range(1 + self.repeats):
             target = pair[(index + 1) % 2]
-            started = time.perf_counter()
-            swap(target)
-            elapsed = time.perf_counter() - started
+            elapsed, cpu = timed(lambda: swap(target))  # noqa: B023 (called at once)
             if index > 0:
-                samples.append((target, elapsed))
+                samples.append((target, elapsed, cpu))
         return first_s, samples
+
+    def measure_interleaved(
+        self, pair: tuple[Path, Path], paths: dict[str, tuple[Callable[[Path], None], Callable[[Path], None]]]
+    ) -> dict[str, tuple[float, list[tuple[Path, float, float]]]]:
+        """`measure` for several paths at once, round by round: each path's `first` in turn, then 1 + repeats
+        rounds in which every path swaps to the same adapter, the order rotated every round (the first round
+        dropped), so that whatever else the machine runs hits them alike. For paths whose costs do not depend
+        on one another's state."""
+        first_s = {name: timed(lambda: first(pair[0]))[0] for name, (first, _) in paths.items()}  # noqa: B023
+        samples: dict[str, list[tuple[Path, float, float]]] = {name: [] for name in paths}
+        names = list(paths)
+        for index in range(1 + self.repeats):
+            target = pair[(index + 1) % 2]
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                elapsed, cpu = timed(lambda: paths[name][1](target))  # noqa: B023 (called at once)
+                if index > 0:
+                    samples[name].append((target, elapsed, cpu))
+        return {name: (first_s[name], samples[name]) for name in names}
 
     # -- diffusers' paths ----------------------------------------------------------------------------
 
@@ -246,16 +284,28 @@ class SwapBench:
 
     # -- loraswap's paths ----------------------------------------------------------------------------
 
-    def install_slot(self) -> float:
-        """Put loraswap's max-rank placeholder on the layers (start-up work, like the server's); returns seconds."""
+    def install_slot(self, fuse: bool) -> tuple[float, float]:
+        """Put loraswap's max-rank placeholder on the layers (start-up work, like the server's) and, with `fuse`,
+        keep the pristine copies of their base weights that fused swaps merge from (as --fuse auto|always does);
+        returns the seconds of each."""
         import torch
 
+        from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
         from loraswap.server.engine.adapters.slot import HotswapSlot
 
         started = time.perf_counter()
         self.slot = HotswapSlot.install(self.denoiser, self.layer_names, self.max_rank, self.dtype, torch.device("cpu"))
+        installed = time.perf_counter()
+        if fuse:
+            self.slot.fused_weights = FusedWeights(PristineWeights(self.slot.base_layers()))
         self.spec = self.slot.spec(self.family, self.dtype, torch.device("cpu"))
-        return time.perf_counter() - started
+        return installed - started, time.perf_counter() - installed
+
+    @property
+    def pristine_bytes(self) -> int:
+        """Bytes of the pristine copies (0 when no fused path runs)."""
+        fused = self.slot.fused_weights if self.slot is not None else None
+        return fused.pristine.nbytes if fused is not None else 0
 
     def _load_canonical(self, path: Path):
         from loraswap.server.engine.adapters.canonical import load_canonical
@@ -301,6 +351,64 @@ class SwapBench:
 
         return self.measure(pair, swap, swap)
 
+    def fuse_paths(self, pair, names: tuple[str, ...]) -> dict[str, tuple[float, list[tuple[Path, float, float]]]]:
+        """The fused paths in `names` (FUSE_PATHS), measured round by round together (`measure_interleaved`): a
+        merge's cost does not depend on what the live weights hold (it writes every touched layer from W0), so
+        the floor's writing W0 into them between merges changes nothing the merge does. The base model is
+        resident before and after."""
+        self.slot.load(None)
+        try:
+            return self.measure_interleaved(pair, {name: getattr(self, name)(pair) for name in names})
+        finally:
+            self.slot.load(None)  # W0 back in every base weight, for the paths after these
+
+    def loraswap_fuse(self, pair):
+        """`HotswapSlot.load_stack(((adapter, 1.0),), fused=True)` of an adapter in canonical form in host memory:
+        the cache to ready with the adapter merged into the base weights of the layers it touches (W0 + B A, from
+        the pristine copies, accumulated in float32 and rounded once), what a fused swap in the server does.
+        Returns (first, swap) for `fuse_paths`."""
+        import torch
+
+        for path in pair:
+            self.canonical.setdefault(str(path), self._load_canonical(path))
+
+        def swap(path):
+            with torch.inference_mode():
+                self.slot.load_stack(((self.canonical[str(path)], 1.0),), fused=True)
+
+        return swap, swap
+
+    def profile_fuse(self, pair) -> dict[str, object]:
+        """FusedWeights.merge under torch.profiler over PROFILED_FUSE_SWAPS fused swaps alternating over the pair:
+        each aten op's self CPU time and calls per swap, largest first, beside the swaps' wall time."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        for path in pair:
+            self.canonical.setdefault(str(path), self._load_canonical(path))
+        self.slot.load(None)
+        with torch.inference_mode():
+            self.slot.load_stack(((self.canonical[str(pair[0])], 1.0),), fused=True)  # untimed: the scratch's pages
+        started = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as profiler, torch.inference_mode():
+            for index in range(PROFILED_FUSE_SWAPS):
+                self.slot.load_stack(((self.canonical[str(pair[(index + 1) % 2])], 1.0),), fused=True)
+        wall_ms = (time.perf_counter() - started) * 1000.0 / PROFILED_FUSE_SWAPS
+        self.slot.load(None)
+        ops = sorted(profiler.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+        return {
+            "swaps": PROFILED_FUSE_SWAPS,
+            "wall_ms_per_swap_profiled": wall_ms,
+            "self_cpu_ms_per_swap": {
+                event.key: {
+                    "ms": event.self_cpu_time_total / 1000.0 / PROFILED_FUSE_SWAPS,
+                    "calls": event.count / PROFILED_FUSE_SWAPS,
+                }
+                for event in ops
+                if event.self_cpu_time_total > 0
+            },
+        }
+
     # -- the floors ----------------------------------------------------------------------------------
 
     def floor_copy(self, pair):
@@ -330,6 +438,34 @@ class SwapBench:
         """The floor copy of a stack's bytes: every member's tensors copied as `floor_copy` copies one adapter's."""
         return self.floor_copy(pair)
 
+    def floor_fuse(self, pair):
+        """The least an exact fused swap can cost, measured like the others: for each layer the adapter touches,
+        one `copy_` of its pristine W0 into the live base weight (in the model's dtype: reading W0 and writing the
+        weight), plus the product B @ A of the layer's factors in float32 (`torch.mm(..., out=)` into one
+        preallocated float32 scratch, as the merge accumulates; the factors are cast to float32 beforehand,
+        untimed). What the merge adds to it: W0 into float32 and the sum back to the model's dtype, the factors'
+        casts, and the finiteness check. Returns (first, swap) for `fuse_paths`."""
+        import torch
+
+        pristine = self.slot.fused_weights.pristine
+        plans = {}
+        for path in pair:
+            adapter = self.canonical.get(str(path)) or self._load_canonical(path)
+            plans[path] = [
+                (pristine.layers[name].weight, pristine.weights[name], layer.b.float(), layer.a.float())
+                for name, layer in sorted(adapter.layers.items())
+            ]
+        largest = max(w0.numel() for plan in plans.values() for _, w0, _, _ in plan)
+        scratch = torch.zeros(largest, dtype=torch.float32)  # touched once: the merge's scratch is resident too
+
+        @torch.no_grad()
+        def swap(path):
+            for weight, w0, b, a in plans[path]:
+                weight.copy_(w0)
+                torch.mm(b, a, out=scratch[: w0.numel()].view(w0.shape))
+
+        return swap, swap
+
     def floor_read_copy(self, pair):
         """safetensors.torch.load_file of the adapter file plus the floor copy of its tensors."""
         import torch
@@ -347,9 +483,10 @@ class SwapBench:
     # -- recompilation check -------------------------------------------------------------------------
 
     def count_recompilations(
-        self, adapters: list[Path | tuple[Path, ...]], backend: str, size: int
+        self, adapters: list[Path | tuple[Path, ...]], backend: str, size: int, fused: list[Path] = ()
     ) -> dict[str, object]:
-        """Compile the denoiser (slot in place), run once per rank bucket, then after each swap to `adapters`.
+        """Compile the denoiser (slot in place), run once per rank bucket, then after each swap to `adapters`, each
+        fused swap to `fused`, and the swap back to the base model.
 
         Returns the graphs compiled after the first run: a swap that changed a
         shape, a dtype or a guarded attribute would show up here.
@@ -373,15 +510,17 @@ class SwapBench:
                 with self.slot.computing_at(bucket):
                     self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
             at_ready = counter.graphs_compiled
-            for item in [*adapters, ()]:
+            swaps = [(item, False) for item in adapters] + [(path, True) for path in fused] + [((), False)]
+            for item, merged in swaps:
                 paths = item if isinstance(item, tuple) else (item,)
                 members = [(self.canonical.get(str(path)) or self._load_canonical(path), 1.0) for path in paths]
-                self.slot.load_stack(members)
+                self.slot.load_stack(members, fused=merged)
                 self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
         return {
             "backend": backend,
             "graphs_at_ready": at_ready,
-            "swaps_checked": len(adapters) + 1,
+            "swaps_checked": len(swaps),
+            "fused_swaps_checked": len(fused),
             "recompilations": counter.graphs_compiled - at_ready,
             "elapsed_s": time.perf_counter() - started,
         }
@@ -393,27 +532,39 @@ def _label(item: Path | tuple[Path, ...]) -> str:
 
 
 def run_pair(bench: SwapBench, pair: tuple, paths: tuple[str, ...]) -> tuple[dict, dict, dict]:
-    """Each path over the pair: summaries over all swaps, first swaps, and summaries by the adapter swapped to."""
+    """Each path over the pair: summaries over all swaps, first swaps, and summaries by the adapter swapped to.
+
+    The fused paths are measured together, round by round (SwapBench.fuse_paths); the others one after another.
+    """
     results, first, by_target = {}, {}, {}
-    for name in paths:
-        log(f"  {name}: {_label(pair[0])} <-> {_label(pair[1])}")
-        first_s, samples = getattr(bench, name)(pair)
-        results[name] = summarize([elapsed for _, elapsed in samples])
+
+    def record(name: str, first_s: float, samples: list[tuple[Path, float, float]]) -> None:
+        results[name] = summarize_swaps([(wall, cpu) for _, wall, cpu in samples])
         first[name] = first_s
         by_target[name] = {
-            f"to_{_label(item)}": summarize([elapsed for target, elapsed in samples if target == item]) for item in pair
+            f"to_{_label(item)}": summarize_swaps([(wall, cpu) for target, wall, cpu in samples if target == item])
+            for item in pair
         }
         log(f"  {name}: first {first_s:.4f} s, median {results[name]['median_s']:.4f} s")
+
+    for name in (path for path in paths if path not in FUSE_PATHS):
+        log(f"  {name}: {_label(pair[0])} <-> {_label(pair[1])}")
+        record(name, *getattr(bench, name)(pair))
+    fused = tuple(path for path in paths if path in FUSE_PATHS)
+    if fused:
+        log(f"  {' and '.join(fused)}, interleaved: {_label(pair[0])} <-> {_label(pair[1])}")
+        for name, (first_s, samples) in bench.fuse_paths(pair, fused).items():
+            record(name, first_s, samples)
     return results, first, by_target
 
 
-def ratios(paths: dict[str, dict]) -> dict[str, float | None]:
-    """The claims, as ratios of medians measured in this one run."""
+def ratios(paths: dict[str, dict], key: str = "median_s") -> dict[str, float | None]:
+    """The claims, as ratios of medians measured in this one run (`key`: cpu_median_s for the CPU seconds')."""
 
     def ratio(numerator: str, denominator: str) -> float | None:
         if numerator not in paths or denominator not in paths:
             return None
-        return paths[numerator]["median_s"] / paths[denominator]["median_s"]
+        return paths[numerator][key] / paths[denominator][key]
 
     return {
         "diffusers_hotswap_over_loraswap_warm": ratio("diffusers_hotswap", "loraswap_warm"),
@@ -421,6 +572,9 @@ def ratios(paths: dict[str, dict]) -> dict[str, float | None]:
         "diffusers_fuse_unfuse_over_loraswap_warm": ratio("diffusers_fuse_unfuse", "loraswap_warm"),
         "loraswap_warm_over_floor_copy": ratio("loraswap_warm", "floor_copy"),
         "loraswap_cold_over_floor_read_copy": ratio("loraswap_cold", "floor_read_copy"),
+        "loraswap_fuse_over_floor": ratio("loraswap_fuse", "floor_fuse"),
+        "diffusers_fuse_unfuse_over_loraswap_fuse": ratio("diffusers_fuse_unfuse", "loraswap_fuse"),
+        "loraswap_fuse_over_loraswap_warm": ratio("loraswap_fuse", "loraswap_warm"),
     }
 
 
@@ -437,6 +591,16 @@ def _file_tensor_bytes(path: Path) -> int:
             for dim in shape:
                 count *= dim
             total += count * torch.finfo(getattr(torch, _dtype_name(tensor_slice.get_dtype()))).bits // 8
+    return total
+
+
+def _weight_bytes(denoiser, layer_names: list[str]) -> int:
+    """Bytes of the named linear layers' weights (the slot's base layers once it is installed)."""
+    total = 0
+    for name in layer_names:
+        module = denoiser.get_submodule(name)
+        weight = module.base_layer.weight if hasattr(module, "base_layer") else module.weight
+        total += weight.numel() * weight.element_size()
     return total
 
 
@@ -464,6 +628,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of the paths")
     parser.add_argument("--compile-backend", default="eager", help="backend of the recompilation check; 'none' skips")
     parser.add_argument("--check-size", type=int, default=None, help="check image size (32 SDXL, 16 Flux)")
+    parser.add_argument(
+        "--profile-fuse",
+        action="store_true",
+        help="also time the fused swap's ops under torch.profiler (the breakdown of FusedWeights.merge)",
+    )
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch CPU threads")
     parser.add_argument("--adapter-dir", type=Path, default=None, help="where to write adapters (default: a temp dir)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON result here")
@@ -561,8 +730,9 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"{label}: diffusers' paths")
         for part, values in zip(measured[label], run_pair(bench, pair, diffusers_paths), strict=True):
             part.update(values)
-    install_s = bench.install_slot()
-    log(f"loraswap slot installed in {install_s:.2f} s")
+    fuse = any(path in FUSE_PATHS for path in own_paths) or args.profile_fuse
+    install_s, pristine_s = bench.install_slot(fuse)
+    log(f"loraswap slot installed in {install_s:.2f} s" + (f", pristine copies in {pristine_s:.2f} s" if fuse else ""))
     for label, pair in pairs:
         log(f"{label}: loraswap's paths and the floors")
         for part, values in zip(measured[label], run_pair(bench, pair, own_paths), strict=True):
@@ -572,12 +742,20 @@ def main(argv: list[str] | None = None) -> dict:
         log("stack: loraswap's stack path and its floor")
         stack_measured = run_pair(bench, stacks, STACK_PATHS)
 
+    fuse_profile = None
+    if args.profile_fuse:
+        log("fused swap under torch.profiler")
+        fuse_profile = bench.profile_fuse(headline)
+
     check = None
     if args.compile_backend != "none":
         # The smallest images the full-size models take: cheap runs with every layer in the graph.
         size = args.check_size or (16 if family.value == "flux" else 32)
         log(f"recompilation check: {args.compile_backend} backend, {size} px")
-        check = bench.count_recompilations([*headline, *(mixed or ()), *(stacks or ())], args.compile_backend, size)
+        check = bench.count_recompilations(
+            [*headline, *(mixed or ()), *(stacks or ())], args.compile_backend, size,
+            fused=[*headline, *(mixed or ())] if fuse else [],
+        )  # fmt: skip
         log(f"recompilation check: {check['recompilations']} recompilations in {check['elapsed_s']:.1f} s")
 
     headline_paths, headline_first, _ = measured["headline"]
@@ -594,10 +772,15 @@ def main(argv: list[str] | None = None) -> dict:
         "slot_layers": len(layer_names),
         "adapter_bytes": _file_tensor_bytes(headline[0]),
         "adapter_file_bytes": headline[0].stat().st_size,
+        # What a fused swap of the headline adapter reads (W0) and writes: the base weights of the layers it touches.
+        "fused_weight_bytes": _weight_bytes(denoiser, layer_names),
+        "pristine_bytes": bench.pristine_bytes,
         "repeats": args.repeats,
         "paths": headline_paths,
         "first_swap_s": headline_first,
         "ratios": ratios(headline_paths),
+        # The same ratios of the measuring thread's CPU seconds: steadier when other processes share the cores.
+        "ratios_cpu": ratios(headline_paths, "cpu_median_s"),
     }
     if mixed:
         mixed_paths, mixed_first, mixed_by_target = measured["mixed_rank"]
@@ -605,7 +788,10 @@ def main(argv: list[str] | None = None) -> dict:
         for path in mixed:
             key = f"to_{path.parent.name}"
             paths_one_way = {name: by_target[key] for name, by_target in mixed_by_target.items()}
-            directions[key] = {"paths": paths_one_way, "ratios": ratios(paths_one_way)}
+            directions[key] = {
+                "paths": paths_one_way, "ratios": ratios(paths_one_way),
+                "ratios_cpu": ratios(paths_one_way, "cpu_median_s"),
+            }  # fmt: skip
         # Swaps alternate between the two, so the overall median is one direction's; read "by_direction".
         result["mixed_rank"] = {
             "ranks": list(args.mixed),
@@ -633,9 +819,13 @@ def main(argv: list[str] | None = None) -> dict:
                 ),
             },
         }
+    if fuse_profile is not None:
+        result["fuse_profile"] = fuse_profile
     result["recompilations"] = None if check is None else check["recompilations"]
     result["recompilation_check"] = check
-    result["setup_s"] = {"build_model": build_s, "write_adapters": write_s, "loraswap_install": install_s}
+    result["setup_s"] = {
+        "build_model": build_s, "write_adapters": write_s, "loraswap_install": install_s, "pristine_copies": pristine_s,
+    }  # fmt: skip
     result["machine"] = machine_info()
     result["elapsed_s"] = time.perf_counter() - run_started
     if temp is not None:

@@ -1,4 +1,5 @@
-"""benchmarks/swap.py and benchmarks/serve.py run on tiny models and print well-formed JSON as their last line.
+"""benchmarks/swap.py and benchmarks/serve.py (also its --fuse comparison) run on tiny models and print well-formed
+JSON as their last line.
 
 They run as subprocesses, as a user would run them, with tiny arguments; the
 figures themselves are not asserted (they are benchmarks), only their shape
@@ -19,11 +20,15 @@ from benchmarks.swap import PATHS, STACK_PATHS, write_lora_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"median_s", "min_s", "max_s", "n"}
+SWAP_SUMMARY_KEYS = SUMMARY_KEYS | {"cpu_median_s"}
 RATIO_KEYS = {
     "diffusers_hotswap_over_loraswap_warm",
     "diffusers_load_unload_over_loraswap_warm",
     "loraswap_warm_over_floor_copy",
     "loraswap_cold_over_floor_read_copy",
+    "loraswap_fuse_over_floor",
+    "diffusers_fuse_unfuse_over_loraswap_fuse",
+    "loraswap_fuse_over_loraswap_warm",
 }
 
 
@@ -36,45 +41,62 @@ def run_benchmark(module: str, *args: str) -> dict:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def assert_summary(summary: dict, count: int) -> None:
-    assert set(summary) == SUMMARY_KEYS
+def assert_summary(summary: dict, count: int, keys: set[str] = SUMMARY_KEYS) -> None:
+    assert set(summary) == keys
     assert summary["n"] == count
     assert 0 < summary["min_s"] <= summary["median_s"] <= summary["max_s"]
+    if "cpu_median_s" in keys:
+        assert summary["cpu_median_s"] > 0
+
+
+def assert_finite_ratios(values: dict) -> None:
+    assert all(isinstance(value, float) and math.isfinite(value) and value > 0 for value in values.values()), values
 
 
 def test_swap_benchmark_prints_every_path_and_ratio(tmp_path):
     report = run_benchmark(
         "benchmarks.swap", "--model", "tiny-sdxl", "--rank", "4", "--mixed-ranks", "2,4", "--repeats", "2",
-        "--json-out", str(tmp_path / "swap.json"),
+        "--profile-fuse", "--json-out", str(tmp_path / "swap.json"),
     )  # fmt: skip
     assert report["model"] == "tiny-sdxl" and report["rank"] == 4 and report["torch_threads"] == 1
     assert set(report["paths"]) == set(PATHS) == set(report["first_swap_s"])
+    assert {"loraswap_fuse", "floor_fuse"} <= set(PATHS)
     for summary in report["paths"].values():
-        assert_summary(summary, 2)
-    assert RATIO_KEYS <= set(report["ratios"])
-    assert all(isinstance(value, float) and math.isfinite(value) for value in report["ratios"].values())
+        assert_summary(summary, 2, SWAP_SUMMARY_KEYS)
+    assert set(report["ratios"]) == set(report["ratios_cpu"]) and RATIO_KEYS <= set(report["ratios"])
+    assert_finite_ratios(report["ratios"])
+    assert_finite_ratios(report["ratios_cpu"])
+    shapes = _tiny_sdxl_attention_shapes()
     # 4 attention projections in each of tiny-sdxl's 12 attention modules, rank 4, bf16.
-    assert report["adapter_bytes"] == sum(
-        4 * (layer_in + layer_out) * 2 for layer_in, layer_out in _tiny_sdxl_attention_shapes()
-    )
+    assert report["adapter_bytes"] == sum(4 * (layer_in + layer_out) * 2 for layer_in, layer_out in shapes)
+    # A fused swap reads W0 and writes the weights of those layers; the pristine copies hold their biases too.
+    assert report["fused_weight_bytes"] == sum(layer_in * layer_out * 2 for layer_in, layer_out in shapes)
+    assert report["pristine_bytes"] > report["fused_weight_bytes"]
+    profile = report["fuse_profile"]
+    assert profile["swaps"] == 4 and profile["wall_ms_per_swap_profiled"] > 0
+    assert "aten::addmm_" in profile["self_cpu_ms_per_swap"]  # the merge's product ran under the profiler
+    assert all(op["ms"] > 0 and op["calls"] > 0 for op in profile["self_cpu_ms_per_swap"].values())
     mixed = report["mixed_rank"]
     assert mixed["ranks"] == [2, 4] and set(mixed["paths"]) == set(PATHS)
     assert set(mixed["by_direction"]) == {"to_r2-a", "to_r4-a"}
     for direction in mixed["by_direction"].values():
         assert set(direction["paths"]) == set(PATHS) and RATIO_KEYS <= set(direction["ratios"])
-    # Swaps alternate: of 2 kept swaps one goes each way.
-    assert_summary(mixed["by_direction"]["to_r2-a"]["paths"]["loraswap_warm"], 1)
+        assert_finite_ratios(direction["ratios_cpu"])
+    # Swaps alternate: of 2 kept swaps one goes each way (the fused paths too, measured round by round).
+    for path in ("loraswap_warm", "loraswap_fuse", "floor_fuse"):
+        assert_summary(mixed["by_direction"]["to_r2-a"]["paths"][path], 1, SWAP_SUMMARY_KEYS)
     # Two stacks of two rank-2 adapters: each stack holds the bytes of one rank-4 adapter.
     stack = report["stack"]
     assert (stack["members"], stack["member_rank"], stack["summed_rank"]) == (2, 2, 4)
     assert stack["adapter_bytes"] == report["adapter_bytes"]
     assert set(stack["paths"]) == set(STACK_PATHS) == set(stack["first_swap_s"])
     for summary in stack["paths"].values():
-        assert_summary(summary, 2)
+        assert_summary(summary, 2, SWAP_SUMMARY_KEYS)
     assert set(stack["ratios"]) == {"loraswap_stack_over_floor_copy_stack", "loraswap_stack_over_loraswap_warm"}
     assert all(isinstance(value, float) and math.isfinite(value) for value in stack["ratios"].values())
-    # 4 adapters and 2 stacks, then the base model, each followed by a compiled run.
-    assert report["recompilations"] == 0 and report["recompilation_check"]["swaps_checked"] == 7
+    # 4 adapters and 2 stacks, the 4 adapters fused, then the base model, each followed by a compiled run.
+    check = report["recompilation_check"]
+    assert report["recompilations"] == 0 and check["swaps_checked"] == 11 and check["fused_swaps_checked"] == 4
     assert json.loads((tmp_path / "swap.json").read_text()) == report
 
 
@@ -98,6 +120,38 @@ def test_serve_benchmark_prints_latency_and_throughput():
     assert_summary(previews["step_without"], 2 * 2)
     assert_summary(previews["step_with_every_step"], 2 * 2)
     assert previews["with_over_without"] > 0 and previews["preview_bytes_median"] > 0
+    assert report["recompilations"] == 0
+
+
+def test_serve_fuse_benchmark_compares_the_policies_on_both_workloads():
+    report = run_benchmark(
+        "benchmarks.serve", "--fuse", "--fuse-rounds", "1", "--fuse-requests", "3", "--fuse-clients", "1",
+        "--switch-steps", "1", "--run-steps", "2", "--run-length", "2", "--compile-backend", "none",
+    )  # fmt: skip
+    assert report["benchmark"] == "serve_fuse" and report["model"] == "shapes" and report["torch_threads"] == 1
+    assert set(report["workloads"]) == {"switching", "runs"}
+    for workload in report["workloads"].values():
+        assert set(workload["policies"]) == {"never", "always", "auto"}
+        for policy, figures in workload["policies"].items():
+            assert figures["images"] == 3 and figures["images_per_s"] > 0, (policy, figures)
+            assert 0 < figures["latency_s"]["p50"] <= figures["latency_s"]["p99"]
+            assert figures["swaps"] == figures["fused_swaps"] + figures["unfused_swaps"]
+        never, always = workload["policies"]["never"], workload["policies"]["always"]
+        assert never["fused_images"] == 0 and always["fused_images"] == always["images"]
+        assert never["swap_ms_median"]["fused"] is None and always["swap_ms_median"]["unfused"] is None
+        goals = workload["goals"]
+        assert goals["better_fixed_policy"] in {"never", "always"}
+        assert_finite_ratios({k: v for k, v in goals.items() if k != "better_fixed_policy"})
+    # One client, in order: every request of the switching workload changes adapter.
+    switching = report["workloads"]["switching"]
+    assert switching["steps"] == 1 and switching["adapter_changes"] == "every request"
+    assert all(figures["swaps"] == 3 for figures in switching["policies"].values())
+    assert report["workloads"]["runs"]["steps"] == 2
+    info = report["server_info"]
+    assert {policy: values["fuse"] for policy, values in info.items()} == {p: p for p in ("never", "always", "auto")}
+    assert info["never"]["fuse_pristine_bytes"] == 0 < info["always"]["fuse_pristine_bytes"]
+    assert info["auto"]["fuse_pristine_bytes"] == info["always"]["fuse_pristine_bytes"]
+    assert report["auto_rule"].startswith("--fuse auto: base step")
     assert report["recompilations"] == 0
 
 
