@@ -439,6 +439,20 @@ async def measure_throughput(args, target: str) -> dict:
     }
 
 
+def ran_with(args, benchmark: str) -> dict:
+    """The head of a report: which benchmark, on what model and settings."""
+    return {
+        "benchmark": benchmark,
+        "model": args.model,
+        "layers": args.layers,
+        "dtype": args.dtype,
+        "device": "cpu",
+        "torch_threads": args.threads,
+        "compile_backend": args.compile_backend,
+        "size": args.size,
+    }
+
+
 # --------------------------------------------------------------------------- --fuse: never / always / auto
 
 
@@ -620,14 +634,7 @@ def run_fuse_comparison(args) -> dict:
                 server.stop()
         auto_figures = auto_rule_figures(servers["auto"].log_path) if "auto" in servers else None
     return {
-        "benchmark": "serve_fuse",
-        "model": args.model,
-        "layers": args.layers,
-        "dtype": args.dtype,
-        "device": "cpu",
-        "torch_threads": args.threads,
-        "compile_backend": args.compile_backend,
-        "size": args.size,
+        **ran_with(args, "serve_fuse"),
         "max_rank": args.max_rank,
         "clients": args.fuse_clients,
         "rounds": args.fuse_rounds,
@@ -759,14 +766,7 @@ def main(argv: list[str] | None = None) -> dict:
             "server_swap": summarize([ms / 1000.0 for ms in measured["change_swap_ms"]]),
         }
     result = {
-        "benchmark": "serve",
-        "model": args.model,
-        "layers": args.layers,
-        "dtype": args.dtype,
-        "device": "cpu",
-        "torch_threads": args.threads,
-        "compile_backend": args.compile_backend,
-        "size": args.size,
+        **ran_with(args, "serve"),
         "steps": args.steps,
         "adapter_rank": args.rank,
         "adapter_file_bytes": adapter_file_bytes,

@@ -128,25 +128,29 @@ def test_every_merge_starts_from_the_pristine_weights_so_repeats_are_bit_identic
     assert fused.holds_pristine()
 
 
-def test_a_merge_that_overflows_is_refused_and_leaves_the_pristine_weights() -> None:
-    runtime = start_runtime(
+def _float16_runtime(fuse: str):
+    return start_runtime(
         EngineConfig(model="tiny-flux", dtype="float16", max_rank=4, compile=False, warmup=False, torch_threads=1,
-                     fuse="always")
+                     fuse=fuse)
     )  # fmt: skip
+
+
+def _constant_adapter(runtime, name: str, value: float) -> CanonicalAdapter:
+    """Rank 4 on the slot's last layer, every factor value `value` (3000: each factor fits float16, and lora_B at
+    the largest strength, but their product does not)."""
+    layer_name = runtime.slot.layer_names[-1]
+    layer = runtime.slot.base_layers()[layer_name]
+    a = torch.full((4, layer.in_features), value, dtype=torch.float16)
+    b = torch.full((layer.out_features, 4), value, dtype=torch.float16)
+    return CanonicalAdapter(
+        name=name, source="test", warnings=(), load_ms=0.0, layers={layer_name: CanonicalLayer(a=a, b=b)}
+    )
+
+
+def test_a_merge_that_overflows_is_refused_and_leaves_the_pristine_weights() -> None:
+    runtime = _float16_runtime("always")
     fused = runtime.slot.fused_weights
-    name = runtime.slot.layer_names[-1]
-    layer = runtime.slot.base_layers()[name]
-    # Each factor fits float16 (and lora_B at the largest strength), their product does not.
-    huge = CanonicalAdapter(
-        name="huge", source="test", warnings=(), load_ms=0.0,
-        layers={name: CanonicalLayer(a=torch.full((4, layer.in_features), 3000.0, dtype=torch.float16),
-                                     b=torch.full((layer.out_features, 4), 3000.0, dtype=torch.float16))},
-    )  # fmt: skip
-    small = CanonicalAdapter(
-        name="small", source="test", warnings=(), load_ms=0.0,
-        layers={name: CanonicalLayer(a=torch.full((4, layer.in_features), 0.01, dtype=torch.float16),
-                                     b=torch.full((layer.out_features, 4), 0.01, dtype=torch.float16))},
-    )  # fmt: skip
+    huge, small = _constant_adapter(runtime, "huge", 3000.0), _constant_adapter(runtime, "small", 0.01)
     fused.merge(((small, 1.0),))
     with pytest.raises(InvalidRequestError) as refused:
         fused.merge(((huge, 1.0),))
@@ -159,17 +163,8 @@ def test_under_auto_a_stack_whose_merge_overflows_runs_unfused_and_keeps_that_ch
     request runs unfused, as under never (here its output overflows too: the unfused refusal, GENERATION_NOT_FINITE)."""
     from loraswap.server.engine.types import GenerationRequest
 
-    runtime = start_runtime(
-        EngineConfig(model="tiny-flux", dtype="float16", max_rank=4, compile=False, warmup=False, torch_threads=1,
-                     fuse="auto")
-    )  # fmt: skip
-    name = runtime.slot.layer_names[-1]
-    layer = runtime.slot.base_layers()[name]
-    huge = CanonicalAdapter(
-        name="huge", source="test", warnings=(), load_ms=0.0,
-        layers={name: CanonicalLayer(a=torch.full((4, layer.in_features), 3000.0, dtype=torch.float16),
-                                     b=torch.full((layer.out_features, 4), 3000.0, dtype=torch.float16))},
-    )  # fmt: skip
+    runtime = _float16_runtime("auto")
+    huge = _constant_adapter(runtime, "huge", 3000.0)
     params = runtime.request_rules.resolve(GenerationRequest(prompt="a red circle", seed=1, num_inference_steps=2))
     stack = ((huge, 1.0),)
     swaps: list[bool] = []
