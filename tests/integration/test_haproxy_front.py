@@ -111,6 +111,7 @@ def _make_hot(front: LocalFront, adapter: str) -> None:
     """BACKEND_BUSY_CALLS short calls for `adapter`, one at a time: it is then hot for the front's rule (at
     least HOT_AFTER_CALLS of its own among at least BACKEND_BUSY_CALLS in the last 60 s, well over 2/(5N))."""
     _wait_until_no_call_is_open(front)
+    front.wait_until_up(timeout=60)  # all four in the rotation (see the spill test)
     with grpc.insecure_channel(front.address) as channel:
         stub = pb_grpc.DiffusionServiceStub(channel)
         for seed in range(BACKEND_BUSY_CALLS):
@@ -126,9 +127,11 @@ def _open_long_calls(front: LocalFront, stub, adapter: str, count: int, calls: l
     for seed in range(count):
         before = sum(_calls_now(front).values())
         calls.append(stub.Generate(_request(adapter, LONG_STEPS, seed), metadata=_lora(adapter), timeout=120))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while sum((now := _calls_now(front)).values()) < before + 1:
-            assert time.monotonic() < deadline, f"the call did not reach a replica: {now}"
+            assert time.monotonic() < deadline, (
+                f"the call did not reach a replica: {now}; HAProxy sees {front.server_states()}"
+            )
             time.sleep(0.02)
     return now
 
@@ -216,6 +219,10 @@ def test_a_hot_adapter_spills_to_a_second_replica_once_the_first_is_over_its_bou
     assert factor < 100 * replicas, f"with hash-balance-factor {factor} one of {replicas} replicas never fills"
     calls = []
     placements: list[tuple[str, int, int]] = []  # (replica that took the call, calls open on the first, all open)
+    # Every replica up and idle first: on a busy machine a health check can miss its 2 s once (fall 1), and a
+    # replica coming back up takes two passed checks; the placements below assume all four in the rotation.
+    _wait_until_no_call_is_open(front)
+    front.wait_until_up(timeout=60)
     try:
         with grpc.insecure_channel(front.address) as channel:
             stub = pb_grpc.DiffusionServiceStub(channel)
@@ -223,9 +230,11 @@ def test_a_hot_adapter_spills_to_a_second_replica_once_the_first_is_over_its_bou
                 before = _calls_now(front)
                 open_calls = sum(before.values())
                 calls.append(stub.Generate(_request("hot", LONG_STEPS, seed), metadata=_lora("hot"), timeout=120))
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + 30
                 while sum((now := _calls_now(front)).values()) < open_calls + 1:
-                    assert time.monotonic() < deadline, f"the call did not reach a replica: {now}"
+                    assert time.monotonic() < deadline, (
+                        f"the call did not reach a replica: {now}; HAProxy sees {front.server_states()}"
+                    )
                     time.sleep(0.02)
                 took = next(name for name in now if now[name] > before.get(name, 0))
                 first = placements[0][0] if placements else took
