@@ -36,7 +36,7 @@ from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
 
 # On the CPU a layer is merged a block of rows at a time, in a float32 scratch of this many elements (2 MiB) that
 # stays in a core's cache: main memory then sees W0 read and the weight written once each, as a plain copy
-# would (a whole-layer float32 scratch costs three times that traffic; on shapes of SDXL's this is 3.5x faster).
+# would (a whole-layer float32 scratch costs three times that traffic; on SDXL's layer shapes blocks are 1.5x faster).
 # Rows do not mix in a merge, so the blocks write the bits a whole-layer merge writes. A GPU merges whole layers.
 CPU_SCRATCH_ELEMENTS = 1 << 19
 
