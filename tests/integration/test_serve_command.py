@@ -15,6 +15,7 @@ from loraswap.client import LoraswapClient
 from loraswap.server.engine.models import builtin_model
 from tests.support.images import assert_images_close, decode
 from tests.support.servers import TEST_TORCH_THREADS
+from tests.support.streams import generate_in_background
 
 
 def start_serve(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
@@ -68,40 +69,14 @@ def test_exported_model_folder_serves_the_same_images_as_the_builtin(exported_mo
     assert_images_close(decode(exported_image.data), np.asarray(expected.convert("RGB")).astype(np.int32))
 
 
-def _generate_in_background(port: int, steps: int, seed: int):
-    """Run a generation on its own thread; returns (thread, result dict, first-step event)."""
-    import threading
-
-    from loraswap.client import LoraswapError, Progress
-
-    result: dict = {}
-    first_step = threading.Event()
-
-    def run():
-        try:
-            with LoraswapClient(f"127.0.0.1:{port}", default_timeout=120) as client:
-                for event in client.generate("drain me", seed=seed, num_inference_steps=steps):
-                    if isinstance(event, Progress):
-                        first_step.set()
-                    result["last"] = event
-        except LoraswapError as error:
-            result["error"] = error
-        finally:
-            first_step.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, result, first_step
-
-
 def test_sigterm_drains_running_and_queued_work_then_exits_0():
     from loraswap.client import GeneratedImage, LoraswapError
 
     process, port = start_serve("--no-compile", "--grace-seconds", "60")
     try:
-        running_thread, running, first_step = _generate_in_background(port, steps=150, seed=1)
+        running_thread, running, first_step = generate_in_background(port, steps=150, seed=1)
         first_step.wait(30)
-        queued_thread, queued, _ = _generate_in_background(port, steps=5, seed=2)
+        queued_thread, queued, _ = generate_in_background(port, steps=5, seed=2)
         import time
 
         time.sleep(0.2)
@@ -126,7 +101,7 @@ def test_sigterm_drains_running_and_queued_work_then_exits_0():
 def test_sigterm_past_the_grace_fails_the_rest_with_unavailable_and_exits_0():
     process, port = start_serve("--no-compile", "--grace-seconds", "0.3")
     try:
-        thread, outcome, first_step = _generate_in_background(port, steps=200, seed=1)
+        thread, outcome, first_step = generate_in_background(port, steps=200, seed=1)
         first_step.wait(30)
         process.send_signal(signal.SIGTERM)
         thread.join(60)

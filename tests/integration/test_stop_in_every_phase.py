@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from loraswap.client import GeneratedImage, LoraswapClient, LoraswapError, Progress, Queued
+from loraswap.client import GeneratedImage, Queued
 from tests.support.servers import TEST_TORCH_THREADS
+from tests.support.streams import generate_in_background
 
 # Compiled models whose phases last long enough to be hit. tiny-sdxl: load ~3 s, slot (with its pristine copies)
 # and compile under a second each. tiny-flux: a warm-up of a minute or more, whose steps (a stop is seen at the
@@ -210,29 +211,8 @@ def test_a_stop_during_start_up_exits_0_with_its_last_line(case_name: str, start
     assert seconds < STOP_BOUND_S
 
 
-def _generate_in_background(port: int, steps: int, seed: int) -> tuple[threading.Thread, dict, threading.Event]:
-    """A Generate on its own thread: (thread, {"events": [...], "error": ...}, an event set at its first step).
-
-    At 128x128 a tiny-flux step takes tens of ms here: a generation runs for seconds, long enough to signal in.
-    """
-    outcome: dict = {"events": []}
-    first_step = threading.Event()
-
-    def run() -> None:
-        try:
-            with LoraswapClient(f"127.0.0.1:{port}", default_timeout=120) as client:
-                for event in client.generate("drain me", seed=seed, num_inference_steps=steps, width=128, height=128):
-                    outcome["events"].append(event)
-                    if isinstance(event, Progress):
-                        first_step.set()
-        except LoraswapError as error:
-            outcome["error"] = error
-        finally:
-            first_step.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome, first_step
+# At 128x128 a tiny-flux step takes tens of ms here: a generation runs for seconds, long enough to signal in.
+STREAM_SIZE = 128
 
 
 def _wait_until(condition, what: str, timeout: float = 60.0) -> None:
@@ -248,9 +228,9 @@ def test_a_stop_while_serving_a_queue_drains_and_a_second_signal_during_the_drai
     serve = ServeProcess("--model", "tiny-flux", "--no-compile", *SERVE_FLAGS)
     try:
         port = int(serve.wait_for(r"serving .* on port (\d+)").group(1))
-        running_thread, running, running_started = _generate_in_background(port, steps=60, seed=1)
+        running_thread, running, running_started = generate_in_background(port, steps=60, seed=1, size=STREAM_SIZE)
         assert running_started.wait(60)
-        queued = [_generate_in_background(port, steps=100, seed=seed) for seed in (2, 3)]
+        queued = [generate_in_background(port, steps=100, seed=seed, size=STREAM_SIZE) for seed in (2, 3)]
         _wait_until(
             lambda: all(any(isinstance(e, Queued) and e.position for e in out["events"]) for _, out, _ in queued),
             "the two generations never queued",
