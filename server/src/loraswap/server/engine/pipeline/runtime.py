@@ -277,7 +277,7 @@ class DiffusionRuntime:
         )  # fmt: skip
         with torch.inference_mode(), conv_guard:
             swaps = self.needs_swap(stack, fused)
-            swap_ms, fused = self._swap_in(stack, params, fused)
+            swap_ms, fused = self._swap_in(stack, params, fused, merges=fused and swaps)
             if swaps and on_swap is not None:
                 on_swap(swap_ms, fused)
             started = time.perf_counter()
@@ -325,13 +325,14 @@ class DiffusionRuntime:
             warnings=warnings,
         )
 
-    def _swap_in(self, stack: tuple[StackMember, ...], params: GenerationParams, fused: bool) -> tuple[float, bool]:
-        """Make `stack` resident, fused or not; returns (ms spent, whether it is fused).
+    def _swap_in(
+        self, stack: tuple[StackMember, ...], params: GenerationParams, fused: bool, *, merges: bool
+    ) -> tuple[float, bool]:
+        """Make `stack` resident, fused or not (`merges`: this swap merges); returns (ms spent, whether it is fused).
 
         Under auto, fusing is only the cheaper way: a stack whose merge would overflow the model's dtype but
         fits the slot runs unfused instead (the request keeps that choice), as it would under never.
         """
-        merges = fused and self.needs_swap(stack, fused)
         try:
             swap_ms = self.slot.load_stack(stack, fused=fused)
         except InvalidRequestError as refused:
