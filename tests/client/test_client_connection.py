@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from loraswap import wire
 from loraswap.client import (
     AsyncLoraswapClient,
     GeneratedImage,
@@ -96,13 +97,13 @@ async def target(service: ScriptedService) -> AsyncIterator[str]:
 
 def test_the_client_uses_the_published_service_config() -> None:
     published = json.loads(PUBLISHED_SERVICE_CONFIG.read_text())
-    assert json.loads(connection.service_config_json()) == published
+    assert json.loads(wire.service_config_json()) == published
     (method_config,) = published["methodConfig"]
     assert method_config["name"] == [{"service": pb.DESCRIPTOR.services_by_name["DiffusionService"].full_name}]
     assert method_config["waitForReady"] is True
     assert method_config["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
     options = dict(connection.client_channel_options())
-    assert options["grpc.service_config"] == connection.service_config_json()
+    assert options["grpc.service_config"] == wire.service_config_json()
     assert "grpc.max_receive_message_length" not in options  # the default 4 MiB is enough
 
 
@@ -188,14 +189,21 @@ async def test_sync_client_over_a_channel_the_caller_made(target: str, service: 
 
 def test_keepalive_numbers_agree_between_client_and_server() -> None:
     """The client pings at most half as often as the server tolerates, both well inside a 60 s idle timeout."""
-    assert connection.CLIENT_KEEPALIVE_TIME_MS >= 2 * connection.SERVER_MIN_PING_INTERVAL_MS
-    assert connection.CLIENT_KEEPALIVE_TIME_MS < 60_000 and connection.SERVER_KEEPALIVE_TIME_MS < 60_000
-    client = dict(connection.client_channel_options())
-    server = dict(connection.server_keepalive_options())
-    assert client["grpc.keepalive_time_ms"] == connection.CLIENT_KEEPALIVE_TIME_MS
-    assert server["grpc.http2.min_ping_interval_without_data_ms"] == connection.SERVER_MIN_PING_INTERVAL_MS
+    assert wire.CLIENT_KEEPALIVE_TIME_MS >= 2 * wire.SERVER_MIN_PING_INTERVAL_MS
+    assert wire.CLIENT_KEEPALIVE_TIME_MS < 60_000 and wire.SERVER_KEEPALIVE_TIME_MS < 60_000
+    client = dict(connection.client_channel_options())  # what the client's channels are opened with
+    server = dict(wire.server_keepalive_options())  # what the server imports (app.py)
+    assert client["grpc.keepalive_time_ms"] == wire.CLIENT_KEEPALIVE_TIME_MS
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] == wire.SERVER_MIN_PING_INTERVAL_MS
     # Without these, gRPC stops pinging after two pings on a stream that sends nothing.
     assert client["grpc.http2.max_pings_without_data"] == server["grpc.http2.max_pings_without_data"] == 0
+
+
+def test_the_client_still_offers_the_wire_facts_where_it_did() -> None:
+    # loraswap.wire holds them; loraswap.client.connection re-exports them for code written against it.
+    for name in ("CLIENT_KEEPALIVE_TIME_MS", "KEEPALIVE_TIMEOUT_MS", "LORA_METADATA_KEY", "SERVER_KEEPALIVE_TIME_MS",
+                 "SERVER_MIN_PING_INTERVAL_MS", "server_keepalive_options", "service_config_json"):  # fmt: skip
+        assert getattr(connection, name) is getattr(wire, name), name
 
 
 def test_tls_config_reads_pem_files_and_pairs_certificate_with_key(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import grpc
 
-from loraswap.client.connection import LORA_METADATA_KEY, TlsConfig, open_channel
+from loraswap.client.connection import TlsConfig, open_channel
 from loraswap.client.errors import InternalError, InvalidRequest, LoraswapError, error_from_rpc
 from loraswap.client.events import (
     AdapterList,
@@ -24,6 +24,7 @@ from loraswap.client.events import (
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
+from loraswap.wire import LORA_METADATA_KEY
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11+; annotations only, so 3.10 runs without it

@@ -1,20 +1,32 @@
-"""How loraswap clients and servers meet on the wire: the numbers both sides must agree on, and client channels.
+"""How a loraswap client opens its channels: TLS or plaintext, with the options the wire asks for.
 
-The server imports its keepalive settings from here, so that the two sides cannot drift apart: a client
-that pings more often than the server allows gets its connection closed with GOAWAY `too_many_pings`.
+The numbers both sides must agree on live in loraswap.wire, which the server imports too, so that the two sides
+cannot drift apart: a client that pings more often than the server allows gets its connection closed with GOAWAY
+`too_many_pings`. They are re-exported here, where clients found them before.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib import resources
 
 import grpc
+
+from loraswap.wire import (
+    CLIENT_KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
+    LORA_METADATA_KEY,
+    SERVER_KEEPALIVE_TIME_MS,
+    SERVER_MIN_PING_INTERVAL_MS,
+    client_keepalive_options,
+    server_keepalive_options,
+    service_config_json,
+)
 
 __all__ = [
     "CLIENT_KEEPALIVE_TIME_MS",
     "KEEPALIVE_TIMEOUT_MS",
+    "LORA_METADATA_KEY",
     "SERVER_KEEPALIVE_TIME_MS",
     "SERVER_MIN_PING_INTERVAL_MS",
     "TlsConfig",
@@ -24,48 +36,6 @@ __all__ = [
     "service_config_json",
 ]
 
-# Keepalive. Load balancers and NAT tables drop connections idle for about a minute (AWS ALB and nginx: 60 s),
-# and a Generate stream may stay quiet longer than that while it waits in the queue. Both sides therefore
-# ping well inside a minute; the server accepts a client's pings down to half the client's interval, so timer
-# slack never makes a ping arrive "too early" (two such strikes and the server would answer too_many_pings).
-# The call metadata key naming a call's adapter (a stack: names separated by commas), as the seed system's
-# clients sent a `lora` HTTP header: proxies route on it without parsing protobuf. Servers read it too.
-LORA_METADATA_KEY = "lora"
-SERVER_MIN_PING_INTERVAL_MS = 10_000
-CLIENT_KEEPALIVE_TIME_MS = 20_000
-SERVER_KEEPALIVE_TIME_MS = 30_000
-# An unanswered ping for this long means the peer is gone: the call fails with UNAVAILABLE instead of hanging.
-KEEPALIVE_TIMEOUT_MS = 10_000
-
-
-def server_keepalive_options() -> list[tuple[str, int]]:
-    """grpc server options: ping idle clients, and accept client pings every SERVER_MIN_PING_INTERVAL_MS."""
-    return [
-        ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        # The server-side name of GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS.
-        ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
-        # Clients of other stacks may ping between calls; that is no abuse.
-        ("grpc.keepalive_permit_without_calls", 1),
-        # Keep pinging on a quiet stream (the default stops after two pings without data).
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
-
-
-def _client_keepalive_options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        # Only while calls are open: an idle channel may close and reconnects on the next call.
-        ("grpc.keepalive_permit_without_calls", 0),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
-
-
-def service_config_json() -> str:
-    """The contract's gRPC service config (protos/loraswap/v1/service_config.json): wait for ready, retry UNAVAILABLE."""
-    return resources.files("loraswap.v1").joinpath("service_config.json").read_text(encoding="utf-8")
-
 
 def client_channel_options() -> list[tuple[str, int | str]]:
     """Options of the channels the loraswap clients open: keepalive and the service config.
@@ -74,7 +44,7 @@ def client_channel_options() -> list[tuple[str, int | str]]:
     1 MiB and never sends a message over 4 MiB.
     """
     return [
-        *_client_keepalive_options(),
+        *client_keepalive_options(),
         ("grpc.service_config", service_config_json()),
         ("grpc.enable_retries", 1),
     ]

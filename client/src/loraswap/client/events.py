@@ -18,6 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from loraswap.v1 import diffusion_service_pb2 as pb
+from loraswap.wire import is_repeated
 
 __all__ = [
     "AdapterInfo",
@@ -369,13 +370,6 @@ def _from_message(cls: type[_Record], message: Message) -> _Record:
         else:
             values[item.name] = _wire_value(descriptor, getattr(message, wire_name))
     return cls(**values)
-
-
-def is_repeated(descriptor: FieldDescriptor) -> bool:
-    """Whether a field is repeated, on protobuf runtimes before and after `label` gave way to `is_repeated`."""
-    if hasattr(descriptor, "is_repeated"):
-        return descriptor.is_repeated
-    return descriptor.label == FieldDescriptor.LABEL_REPEATED
 
 
 def _wire_value(descriptor: FieldDescriptor, value: object) -> object:

@@ -14,7 +14,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from loraswap.client.connection import server_keepalive_options
 from loraswap.server.access import AccessTokens
 from loraswap.server.config import Settings, SettingsError
 from loraswap.server.engine.diffusion_engine import DiffusionEngine
@@ -26,6 +25,7 @@ from loraswap.server.transport.server_credentials import ReloadableServerCredent
 from loraswap.server.transport.servicer import DiffusionServicer, add_diffusion_service
 from loraswap.server.transport.token_auth import TokenAuthInterceptor
 from loraswap.v1 import diffusion_service_pb2 as pb
+from loraswap.wire import server_keepalive_options
 
 log = logging.getLogger(__name__)
 

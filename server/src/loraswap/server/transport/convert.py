@@ -10,8 +10,6 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from loraswap.client.connection import LORA_METADATA_KEY
-from loraswap.client.events import is_repeated
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,
@@ -28,6 +26,7 @@ from loraswap.server.engine.types import (
     Timings,
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
+from loraswap.wire import LORA_METADATA_KEY, is_repeated
 
 _IMAGE_FORMAT_FROM_PB = {
     pb.IMAGE_FORMAT_UNSPECIFIED: ImageFormat.PNG,
