@@ -18,11 +18,12 @@ import torch
 
 from loraswap.client import AsyncLoraswapClient
 from loraswap.server.app import start_server
-from loraswap.server.config import Settings, SettingsError
+from loraswap.server.config import SettingsError
 from loraswap.server.engine.adapters.canonical import load_canonical
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
+from loraswap.server.engine.pipeline.preflight import preflight
 from loraswap.server.engine.pipeline.quantization import check_quantization
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.pipeline.startup import start_runtime
@@ -61,14 +62,14 @@ def int8_runtime() -> DiffusionRuntime:
 
 def test_int8_weight_only_stores_the_denoiser_in_at_most_six_tenths_of_its_bytes(int8_runtime) -> None:
     plain = _runtime("none")
-    ratio = int8_runtime.denoiser_weight_bytes / plain.denoiser_weight_bytes
+    ratio = int8_runtime.weights.denoiser_weight_bytes / plain.weights.denoiser_weight_bytes
     assert ratio <= MAX_WEIGHT_RATIO, f"int8wo denoiser is {ratio:.2f}x its float32 bytes"
     quantized = [name for name, p in int8_runtime.denoiser.named_parameters() if type(p) is not torch.nn.Parameter]
     assert quantized and all(".base_layer." in name or "lora_" not in name for name in quantized)
     # The slot's factors are never quantized: plain tensors in the model's dtype.
     for name, parameter in int8_runtime.denoiser.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
-            assert type(parameter) is torch.nn.Parameter and parameter.dtype == int8_runtime.dtype, name
+            assert type(parameter) is torch.nn.Parameter and parameter.dtype == int8_runtime.loaded.dtype, name
 
 
 def test_int8_weight_only_still_draws_what_prompts_say_with_every_shipped_adapter(int8_runtime) -> None:
@@ -80,8 +81,8 @@ def test_int8_weight_only_still_draws_what_prompts_say_with_every_shipped_adapte
     with torch.inference_mode():
         for style in ("base", *STYLES):
             stack = () if style == "base" else ((_shipped(int8_runtime, style), 1.0),)
-            int8_runtime.slot.load_stack(stack)
-            results[style] = score(int8_runtime.pipe, style, prompts=prompts)["all"]
+            int8_runtime.residency.load_stack(stack)
+            results[style] = score(int8_runtime.loaded.pipe, style, prompts=prompts)["all"]
     assert all(accuracy >= MIN_ACCURACY for accuracy in results.values()), results
 
 
@@ -89,7 +90,9 @@ def test_fp8_is_refused_on_the_cpu_with_one_line() -> None:
     with pytest.raises(ValueError, match=r"--quantize fp8 needs a CUDA device .* use --quantize int8wo or none"):
         check_quantization("fp8", "cpu")
     with pytest.raises(SettingsError, match="fp8"):
-        Settings(engine=EngineConfig(quantize="fp8", device="cpu"))
+        preflight(EngineConfig(quantize="fp8", device="cpu"))
+    with pytest.raises(SettingsError, match="fp8"):  # start-up asks the pre-flight first, before anything loads
+        start_runtime(EngineConfig(quantize="fp8", device="cpu"))
     with pytest.raises(ValueError, match="not one of none, int8wo, fp8"):
         check_quantization("int4", None)
 

@@ -2,7 +2,8 @@
 
 Every name --attention takes is diffusers' own (AttentionBackendName); an unknown one stops `serve` with one line
 listing them. On CUDA a backend whose package is missing is refused too (diffusers' own requirement check, which
-needs no GPU to run). Off CUDA a known name is accepted and the native backend runs, said in one log line.
+needs no GPU to run). Both are the pre-flight's refusals (pipeline/preflight.py), which `serve` asks right after
+parsing its settings. Off CUDA a known name is accepted and the native backend runs, said in one log line.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import signal
 
 import pytest
 import torch
 
+from loraswap.server import cli
 from loraswap.server.config import Settings, SettingsError, add_serve_arguments, settings_from_args
+from loraswap.server.engine import quiet_imports
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.attention import (
@@ -24,6 +28,7 @@ from loraswap.server.engine.pipeline.attention import (
     check_attention,
     resolve_attention,
 )
+from loraswap.server.engine.pipeline.preflight import preflight
 
 torch.set_num_threads(1)
 
@@ -32,6 +37,13 @@ def _settings(argv: list[str], environ: dict[str, str] | None = None) -> Setting
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser, environ=environ or {})
     return settings_from_args(parser.parse_args(argv))
+
+
+def _preflight(argv: list[str], environ: dict[str, str] | None = None) -> Settings:
+    """The settings `serve` makes of these flags, once the pre-flight has passed them."""
+    settings = _settings(argv, environ)
+    preflight(settings.engine)
+    return settings
 
 
 @pytest.mark.parametrize(
@@ -46,14 +58,38 @@ def _settings(argv: list[str], environ: dict[str, str] | None = None) -> Setting
 )
 def test_bad_values_are_refused_in_one_line(argv, environ, says):
     with pytest.raises(SettingsError) as caught:
-        _settings(argv, environ)
+        _preflight(argv, environ)
     message = str(caught.value)
     assert says in message and "\n" not in message
 
 
+def test_the_attention_backend_is_the_preflights_question_not_the_configs():
+    # EngineConfig imports no diffusers: it takes any name, and the pre-flight refuses an unknown one.
+    config = EngineConfig(attention="warp-drive")
+    with pytest.raises(SettingsError, match="--attention 'warp-drive' is not an attention backend"):
+        preflight(config)
+
+
+def test_serve_runs_the_preflight_before_it_serves(monkeypatch, capsys):
+    # Stand-ins: the real quieting marks torchao absent for the rest of this process, and serving is what the
+    # pre-flight must come before.
+    monkeypatch.setattr(quiet_imports, "quiet_foreign_packages", lambda quantize: None)
+    monkeypatch.setattr("loraswap.server.app.serve", lambda settings: pytest.fail("serve() ran"))
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, environ={})
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        exit_code = cli.run_serve(parser.parse_args(["--attention", "warp-drive"]))
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_code == cli.EXIT_BAD_SETTINGS
+    assert len(err) == 1 and err[0].startswith("loraswap serve: --attention 'warp-drive' is not an attention backend")
+
+
 def test_an_unknown_backend_is_answered_with_every_choice():
     with pytest.raises(SettingsError) as caught:
-        _settings(["--attention", "bogus"])
+        _preflight(["--attention", "bogus"])
     listed = str(caught.value).split("use one of ", 1)[1].split(", ")
     assert set(listed) == set(attention_backends())
     assert {"native", "flash", "_flash_3", "flex", "sage", "xformers"} <= set(listed)
@@ -72,14 +108,14 @@ def test_on_cuda_a_backend_whose_package_is_missing_is_refused(name, module, pac
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed here")
     with pytest.raises(SettingsError) as caught:
-        Settings(engine=EngineConfig(device="cuda", attention=name))
+        preflight(EngineConfig(device="cuda", attention=name))
     message = str(caught.value)
     assert message.startswith(f"--attention {name} cannot run here:") and package in message
     assert "\n" not in message
 
 
 def test_on_cpu_a_known_backend_is_accepted_and_the_native_one_runs(caplog):
-    settings = _settings(["--attention", "FLASH", "--device", "cpu", "--device-adapter-bytes", "1048576"])
+    settings = _preflight(["--attention", "FLASH", "--device", "cpu", "--device-adapter-bytes", "1048576"])
     assert settings.engine.attention == "FLASH"
     assert settings.engine.device_adapter_bytes == 1048576
     with caplog.at_level(logging.WARNING, logger="loraswap.server.engine.pipeline.attention"):

@@ -34,9 +34,13 @@ def run_serve(args: argparse.Namespace) -> int:
         # First, before the settings' checks or the app import diffusers: what is kept out must not be in yet.
         quiet_foreign_packages(args.quantize if isinstance(args.quantize, str) else "none")
         from loraswap.server.app import serve
+        from loraswap.server.engine.pipeline.preflight import preflight
         from loraswap.server.observability.log_format import configure_logging
 
         settings = settings_from_args(args)
+        # What this machine cannot serve (--quantize fp8 without CUDA, an unknown --attention) stops here, before
+        # the server listens or a model loads.
+        preflight(settings.engine)
         configure_logging(settings.log_level, settings.log_format)
         threads_ended = asyncio.run(serve(settings))
     except KeyboardInterrupt:

@@ -23,12 +23,13 @@ from loraswap.server.engine.config import (
     setting,
     setting_fields,
 )
-from loraswap.server.observability.log_format import LOG_FORMATS
 
-__all__ = ["LOG_LEVELS", "Settings", "SettingsError", "add_serve_arguments", "settings_from_args"]
+__all__ = ["LOG_FORMATS", "LOG_LEVELS", "Settings", "SettingsError", "add_serve_arguments", "settings_from_args"]
 
 ENV_PREFIX = "LORASWAP_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# --log-format: readable text lines, or one JSON object per line (observability/log_format.py writes both).
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ A field made by `setting(...)` is a setting of `loraswap serve`: its name gives 
 the dataclass default, and its `SettingSpec` says how the text of a flag or variable becomes
 the value, which values are allowed, and the help line. The front end (loraswap.server.config)
 derives its argument parser and environment reading from these fields and nothing else.
-The rules that concern the engine (compile options, quantization, attention, rank buckets,
-device bytes) are checked here, once, when the config is made.
+The engine's rules that the values alone decide (compile options, quantization and fuse policy,
+rank buckets, byte budgets) are checked here, once, when the config is made. What depends on
+this process's devices and packages (fp8's CUDA capability, torchao, an attention backend) needs
+torch and diffusers, so pipeline/preflight.py checks it before anything is loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from loraswap.server.engine.compile_options import (
 )
 from loraswap.server.engine.fuse_policy import FUSE_POLICIES
 from loraswap.server.engine.models import BUILTINS
+from loraswap.server.engine.quantize_options import QUANTIZATIONS, quantize_option_problem
 from loraswap.server.engine.rank_buckets import parse_rank_buckets, resolve_rank_buckets
 
 DEFAULT_MAX_RANK = 64
@@ -32,8 +35,6 @@ DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 # The torch.compile backends `--compile-backend` offers (all in torch._dynamo.list_backends(exclude_tags=())):
 # inductor for serving, cudagraphs for CUDA, eager and aot_eager to check compile paths quickly on CPU.
 COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
-# --quantize: how the denoiser's base linear weights are stored (engine/pipeline/quantization.py does it with torchao).
-QUANTIZATIONS = ("none", "int8wo", "fp8")
 DTYPES = ("float32", "float16", "bfloat16")
 
 _SPEC_KEY = "loraswap_setting"
@@ -231,16 +232,19 @@ class EngineConfig:
     warmup: bool = True  # not a setting: tests and benchmarks that only need the pipeline skip the warm-up
 
     def __post_init__(self) -> None:
-        """Normalise the compile kind, then refuse what the engine cannot run, in one line (SettingsError)."""
+        """Normalise the compile kind, then refuse values the engine cannot run, in one line (SettingsError).
+
+        Only what the values decide: whether this process can serve them (fp8's device, torchao, the --attention
+        backend) needs torch and diffusers, and pipeline/preflight.py asks it before anything is loaded.
+        """
         # The old on/off switch (compile=True/False) names a kind.
         object.__setattr__(self, "compile", normalize_compile(self.compile))
         problem = compile_options_problem(self.compile, self.compile_mode, self.compile_backend)
         if problem is not None:
             raise SettingsError(problem)
-        if self.quantize != "none":
-            from loraswap.server.engine.pipeline.quantization import check_quantization  # imports torch
-
-            _one_line(check_quantization, self.quantize, self.device)
+        problem = quantize_option_problem(self.quantize)
+        if problem is not None:
+            raise SettingsError(problem)
         if self.fuse not in FUSE_POLICIES:
             raise SettingsError(f"--fuse {self.fuse!r} is not one of {', '.join(FUSE_POLICIES)}")
         if self.fuse == "always" and self.quantize != "none":
@@ -261,11 +265,7 @@ class EngineConfig:
                 f"--device-adapter-bytes {self.device_adapter_bytes} is negative; give a byte budget, or 0 "
                 "for no adapters kept on the device"
             )
-        if self.attention is not None:
-            from loraswap.server.engine.pipeline.attention import check_attention  # imports diffusers
-
-            _one_line(check_attention, self.attention, self.device)
-        _one_line(resolve_rank_buckets, self.rank_buckets, self.max_rank)
+        check_setting(resolve_rank_buckets, self.rank_buckets, self.max_rank)
 
     @property
     def fuses(self) -> bool:
@@ -274,7 +274,7 @@ class EngineConfig:
         return self.fuse != "never" and self.quantize == "none"
 
 
-def _one_line(check: Callable[..., object], *args: object) -> None:
+def check_setting(check: Callable[..., object], *args: object) -> None:
     """Run a check that raises ValueError with a one-line message, as a SettingsError."""
     try:
         check(*args)

@@ -11,14 +11,12 @@ from dataclasses import dataclass
 
 from loraswap.server.engine.config import DEFAULT_MAX_STACK
 from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
+from loraswap.server.engine.scale_limits import MAX_ADAPTER_SCALE
 from loraswap.server.engine.types import GenerationParams, GenerationRequest, ModelDefaults, StackedAdapter
 
 MAX_STEPS = 200
 MAX_GUIDANCE = 50.0
 MAX_PROMPT_CHARS = 4000
-# The largest |strength| a request may ask for; canonical lora_B factors are refused
-# (adapters/canonical.py) if this multiple of them would overflow the model's dtype.
-MAX_ADAPTER_SCALE = 8.0
 
 
 @dataclass(frozen=True)
@@ -69,17 +67,10 @@ class RequestRules:
                 field="preview_every",
             )
         return GenerationParams(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            adapters=adapters,
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            width=width,
-            height=height,
-            seed=seed,
-            image_format=request.image_format,
-            preview_every=request.preview_every,
-        )
+            prompt=request.prompt, negative_prompt=request.negative_prompt, adapters=adapters,
+            num_inference_steps=steps, guidance_scale=guidance, width=width, height=height, seed=seed,
+            image_format=request.image_format, preview_every=request.preview_every,
+        )  # fmt: skip
 
     def warnings(self, params: GenerationParams) -> tuple[str, ...]:
         """What the caller should know about how these parameters will be read."""

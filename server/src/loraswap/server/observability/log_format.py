@@ -17,7 +17,8 @@ import sys
 
 from pythonjsonlogger.json import JsonFormatter
 
-LOG_FORMATS = ("text", "json")
+from loraswap.server.config import LOG_FORMATS
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 JSON_FIELDS = "%(asctime)s %(levelname)s %(name)s %(message)s"
 # What every LogRecord has; anything else on a record came from `extra`.

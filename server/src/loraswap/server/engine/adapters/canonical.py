@@ -37,7 +37,7 @@ from loraswap.server.engine.adapters.safetensors_file import read_adapter_file
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, ErrorReason, shorten
 from loraswap.server.engine.families import FAMILIES
-from loraswap.server.engine.request_rules import MAX_ADAPTER_SCALE
+from loraswap.server.engine.scale_limits import MAX_ADAPTER_SCALE
 from loraswap.server.engine.types import ModelFamily
 
 
@@ -350,9 +350,7 @@ def _fused_vector(
 
 def _fits_slot(layers: dict[str, CanonicalLayer], max_rank: int) -> bool:
     """Whether the slot can hold the adapter: plain factors, no rank above its max rank."""
-    return all(
-        layer.rank <= max_rank and layer.magnitude is None and layer.bias is None for layer in layers.values()
-    )
+    return all(layer.rank <= max_rank and layer.magnitude is None and layer.bias is None for layer in layers.values())
 
 
 def load_canonical(

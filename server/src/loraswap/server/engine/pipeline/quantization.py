@@ -13,9 +13,7 @@ import logging
 
 import torch
 
-from loraswap.server.engine.config import QUANTIZATIONS
-
-FP8_MIN_CAPABILITY = (8, 9)
+from loraswap.server.engine.quantize_options import FP8_MIN_CAPABILITY, quantize_option_problem
 
 
 def check_quantization(quantization: str, device: str | None) -> None:
@@ -25,8 +23,9 @@ def check_quantization(quantization: str, device: str | None) -> None:
         ValueError: an unknown value, torchao missing, or fp8 without a CUDA device of capability >= 8.9;
             the message is one line that says what to change.
     """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantize {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    problem = quantize_option_problem(quantization)
+    if problem is not None:
+        raise ValueError(problem)
     if quantization == "none":
         return
     if quantization == "fp8":
