@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -199,27 +199,31 @@ class CallWatchInterceptor(grpc.aio.ServerInterceptor):
             record.finish(code.name if isinstance(code, grpc.StatusCode) else "OK")
         self.observers.call_ended(record)
 
+    @contextlib.contextmanager
+    def _watching(self, method: str, request: object, context: grpc.aio.ServicerContext) -> Iterator[_WatchedContext]:
+        """The context a handler runs with; leaving the block, however it is left, ends the call's record."""
+        watched = self._begin(method, request, context)
+        error: BaseException | None = None
+        try:
+            yield watched
+        except BaseException as raised:  # CancelledError and GeneratorExit too: the record says how the call ended
+            error = raised
+            raise
+        finally:
+            self._end(watched, error)
+
     def _unary(self, method: str, behavior):
         @functools.wraps(behavior)
         async def watched_unary(request, context):
-            watched = self._begin(method, request, context)
-            error: BaseException | None = None
-            try:
+            with self._watching(method, request, context) as watched:
                 return await behavior(request, watched)
-            except BaseException as raised:
-                error = raised
-                raise
-            finally:
-                self._end(watched, error)
 
         return watched_unary
 
     def _streamed(self, method: str, behavior):
         @functools.wraps(behavior)
         async def watched_stream(request, context):
-            watched = self._begin(method, request, context)
-            error: BaseException | None = None
-            try:
+            with self._watching(method, request, context) as watched:
                 if not inspect.isasyncgenfunction(behavior):
                     # A coroutine handler (the token check's refusal) writes through the context, if at all.
                     await behavior(request, watched)
@@ -230,10 +234,5 @@ class CallWatchInterceptor(grpc.aio.ServerInterceptor):
                         if isinstance(response, pb.GenerateResponse):
                             _note_response(watched.record, response)
                         yield response
-            except BaseException as raised:
-                error = raised
-                raise
-            finally:
-                self._end(watched, error)
 
         return watched_stream

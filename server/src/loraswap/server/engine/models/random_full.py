@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     DiffusionPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -34,17 +33,14 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, PreTrainedModel, T5EncoderModel
 
-from loraswap.server.engine.models.tiny import (
-    _private_rng,
-    _seeded,
-    clip_text_config,
-    flux_dev_scheduler,
-    sdxl_base_scheduler,
-    t5_encoder_config,
+from loraswap.server.engine.models.components import (
+    flux_components,
+    named_pipeline,
+    private_rng,
+    sdxl_components,
+    tiny_vae,
 )
-from loraswap.server.engine.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 __all__ = [
     "FLUX_FULL_DEPTH",
@@ -198,83 +194,32 @@ def build_random_flux_transformer(
     return _random_denoiser("random-flux", FluxTransformer2DModel, config, torch_dtype)
 
 
+# The stand-in VAEs' levels: four give the real VAE's downscale factor of 8, with tiny widths.
+_VAE_LEVELS = dict(block_out_channels=(8, 8, 16, 16), sample_size=128)
+
+
 def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
-    tokenizer = build_clip_tokenizer()
-    tokenizer_2 = build_clip_tokenizer()
     # Widths the full UNet reads: hidden states 768 + 1280 = cross_attention_dim 2048;
     # pooled 1280 + 6 * 256 time ids = projection_class_embeddings_input_dim 2816.
-    text_encoder = _seeded(lambda: CLIPTextModel(clip_text_config(tokenizer, hidden_size=768, projection_dim=768)))
-    text_encoder_2 = _seeded(
-        lambda: CLIPTextModelWithProjection(clip_text_config(tokenizer_2, hidden_size=1280, projection_dim=1280))
-    )
-    vae = _seeded(lambda: _tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None))
-    scheduler = sdxl_base_scheduler()
-    return dict(
-        vae=vae,
-        text_encoder=text_encoder,
-        text_encoder_2=text_encoder_2,
-        tokenizer=tokenizer,
-        tokenizer_2=tokenizer_2,
-        unet=unet,
-        scheduler=scheduler,
-    )
+    vae = tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None, **_VAE_LEVELS)
+    return sdxl_components(unet, clip_widths=(768, 1280), vae=vae)
 
 
 def _flux_components(transformer: ModelMixin) -> dict[str, Any]:
-    tokenizer = build_clip_tokenizer()
-    tokenizer_2 = build_t5_tokenizer()
     # pooled_projection_dim 768; joint_attention_dim 4096.
-    text_encoder = _seeded(lambda: CLIPTextModel(clip_text_config(tokenizer, hidden_size=768, projection_dim=768)))
-    text_encoder_2 = _seeded(lambda: T5EncoderModel(t5_encoder_config(tokenizer_2, d_model=4096)))
-    vae = _seeded(lambda: _tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159))
-    scheduler = flux_dev_scheduler()
-    return dict(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        transformer=transformer,
-    )
-
-
-def _tiny_vae(*, latent_channels: int, scaling_factor: float, shift_factor: float | None) -> AutoencoderKL:
-    # Four levels give the real VAE's downscale factor of 8 with tiny widths.
-    levels = 4
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=128,
-        use_quant_conv=shift_factor is None,  # SDXL's VAE has quant convs, Flux's has none
-        use_post_quant_conv=shift_factor is None,
-        shift_factor=shift_factor,
-        scaling_factor=scaling_factor,
-    )
+    vae = tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, **_VAE_LEVELS)
+    return flux_components(transformer, clip_width=768, t5_width=4096, vae=vae)
 
 
 def _assemble(
     name: str, pipeline_cls: type[DiffusionPipeline], denoiser: ModelMixin, components_fn, torch_dtype: torch.dtype
 ) -> DiffusionPipeline:
-    with _private_rng():
+    with private_rng():
         components = components_fn(denoiser)
     for module in components.values():
         if isinstance(module, torch.nn.Module) and module is not denoiser:
             module.to(dtype=torch_dtype)
-    pipe = pipeline_cls(**components)
-    pipe.register_to_config(_name_or_path=name)
-    for module in components.values():
-        if isinstance(module, PreTrainedModel):
-            module.config._name_or_path = name
-        elif isinstance(module, ModelMixin):
-            module.register_to_config(_name_or_path=name)
-    return pipe
+    return named_pipeline(name, pipeline_cls, components)
 
 
 def build_random_sdxl_pipeline(torch_dtype: torch.dtype = torch.bfloat16) -> StableDiffusionXLPipeline:
