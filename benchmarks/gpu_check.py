@@ -137,7 +137,7 @@ def _write_adapter(runtime, directory: Path, rank: int, seed: int) -> Path:
 
     generator = torch.Generator("cpu").manual_seed(seed)
     tensors = {}
-    for name in runtime.target_layers:
+    for name in runtime.installed.target_layers:
         layer = runtime.denoiser.get_submodule(name).base_layer
         shape_a, shape_b = (rank, layer.in_features), (layer.out_features, rank)
         tensors[f"transformer.{name}.lora_A.weight"] = (torch.randn(shape_a, generator=generator) * 0.01).bfloat16()
@@ -164,13 +164,18 @@ def _memory(device: str) -> dict:
     return {"peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 1024**3, 2)}
 
 
-def _with_sequence_length(runtime, length: int) -> int | None:
-    """Make the runtime encode prompts at `length` T5 tokens (Flux; SDXL has no such setting); returns the length
-    it runs with. The engine takes it from the model's defaults only (random-flux: 32), so the check sets them."""
-    if runtime.defaults.max_sequence_length is None:
-        return None
-    runtime.defaults = dataclasses.replace(runtime.defaults, max_sequence_length=length)
-    return length
+def _with_sequence_length(runtime, length: int):
+    """The runtime, encoding prompts at `length` T5 tokens (Flux; SDXL has no such setting), and the length it runs
+    with. The engine takes it from the model's defaults only (random-flux: 32), so the check rebuilds the runtime
+    from its own phase records with those defaults changed."""
+    from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+
+    loaded = runtime.loaded
+    if loaded.defaults.max_sequence_length is None:
+        return runtime, None
+    loaded = dataclasses.replace(loaded, defaults=dataclasses.replace(loaded.defaults, max_sequence_length=length))
+    records = (runtime.installed, runtime.weights, runtime.compiled, runtime.warmed)
+    return DiffusionRuntime(runtime.config, loaded, *records), length
 
 
 def run_slot_variant(args: argparse.Namespace, quantize: str, fused: bool = False) -> dict:
@@ -184,7 +189,7 @@ def run_slot_variant(args: argparse.Namespace, quantize: str, fused: bool = Fals
     started = time.perf_counter()
     runtime = start_runtime(_engine_config(args, quantize, "always" if fused else "never"))
     startup_s = time.perf_counter() - started
-    sequence_length = _with_sequence_length(runtime, args.max_sequence_length)
+    runtime, sequence_length = _with_sequence_length(runtime, args.max_sequence_length)
     with tempfile.TemporaryDirectory() as folder:
         adapters = []
         for seed in (1, 2):
@@ -223,10 +228,10 @@ def run_slot_variant(args: argparse.Namespace, quantize: str, fused: bool = Fals
         "graphs_since_ready": runtime.recompilations,  # the first request's compile counts here without --warm-up
         "startup_s": round(startup_s, 1),
         "first_request_s": round(first_s, 2),
-        "denoiser_weight_gib": round(runtime.denoiser_weight_bytes / 1024**3, 2),
-        "slot_layers": len(runtime.target_layers),
+        "denoiser_weight_gib": round(runtime.snapshot.facts.denoiser_weight_bytes / 1024**3, 2),
+        "slot_layers": len(runtime.installed.target_layers),
         "fused": fused,
-        "fuse_pristine_gib": round(runtime.pristine_bytes / 1024**3, 2),
+        "fuse_pristine_gib": round(runtime.installed.pristine_bytes / 1024**3, 2),
         "max_sequence_length": sequence_length,
         **_memory(args.device),
     }

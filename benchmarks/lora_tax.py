@@ -125,6 +125,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
     import torch
 
     from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
+    from loraswap.server.engine.adapters.residency import AdapterResidency
     from loraswap.server.engine.adapters.slot import HotswapSlot
     from loraswap.server.engine.pipeline.compile import CountingBackend
     from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
@@ -137,7 +138,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
     call_args, call_kwargs = _captured_inputs(pipe, traits, args.size)
 
     copies = {"bare": _shared_copy(base), "slot": _shared_copy(base), "diffusers": _shared_copy(base)}
-    slot = HotswapSlot.install(copies["slot"], layer_names, args.max_rank, base.dtype, device, buckets)
+    installed = HotswapSlot.install(copies["slot"], layer_names, args.max_rank, base.dtype, device, buckets)
     copies["diffusers"].enable_lora_hotswap(target_rank=args.max_rank)
     copies["diffusers"].load_lora_adapter(
         _diffusers_state_dict(base, layer_names, DIFFUSERS_ADAPTER_RANK), prefix=None, adapter_name="bench"
@@ -148,16 +149,16 @@ def measure(pipe, traits, args, quantization: str) -> dict:
 
         for module in copies.values():
             quantize_denoiser(module, quantization)
-    else:
-        # What --fuse auto|always keeps at start-up: the slot layers' W0, apart, to merge from.
-        slot.fused_weights = FusedWeights(PristineWeights(slot.base_layers()))
+    # What --fuse auto|always keeps at start-up (weights not quantized): the slot layers' W0, apart, to merge from.
+    fused = FusedWeights(PristineWeights(installed.base_layers())) if quantization == "none" else None
+    slot = AdapterResidency(installed, fused)
     adapters = {rank: _random_adapter(base, layer_names, rank, seed=rank) for rank in ADAPTER_RANKS}
     counters = {}
     for name, module in copies.items():
         if args.backend != "none":
             counters[name] = CountingBackend(args.backend)
             module.compile(backend=counters[name])
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(slot.graph_buckets))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(installed.graph_buckets))
 
     computes_at: dict[str, int] = {}
     merges_ms: dict[str, list[float]] = {variant: [] for variant in FUSED_VARIANTS}
@@ -166,7 +167,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
         which, rank, full_width = VARIANTS[variant]
         with torch.inference_mode():
             if which == "slot":
-                slot.load(adapters[rank] if rank else None)  # puts W0 back first if a merge is resident
+                slot.load_stack(((adapters[rank], 1.0),) if rank else ())  # puts W0 back first if a merge is resident
             elif which == "fused":
                 members = ((adapters[rank], 1.0),)
                 merges = not (slot.fused and slot.holds(members))
@@ -174,7 +175,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
                 if merges:
                     merges_ms[variant].append(merge_ms)
             elif slot.fused:
-                slot.load(None)  # the copies share base weights: bare and diffusers' run on W0
+                slot.load_stack(())  # the copies share base weights: bare and diffusers' run on W0
         module = copies["slot" if which == "fused" else which]
         with torch.inference_mode(), slot.computing_at(args.max_rank) if full_width else contextlib.nullcontext():
             if which in ("slot", "fused"):

@@ -194,7 +194,7 @@ class SwapBench:
         self.max_rank = max_rank
         self.repeats = repeats
         self.dtype = self.denoiser.dtype
-        self.slot = None
+        self.residency = None
         self.spec = None
         self.canonical: dict[str, object] = {}
 
@@ -291,20 +291,21 @@ class SwapBench:
         import torch
 
         from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
+        from loraswap.server.engine.adapters.residency import AdapterResidency
         from loraswap.server.engine.adapters.slot import HotswapSlot
 
         started = time.perf_counter()
-        self.slot = HotswapSlot.install(self.denoiser, self.layer_names, self.max_rank, self.dtype, torch.device("cpu"))
+        slot = HotswapSlot.install(self.denoiser, self.layer_names, self.max_rank, self.dtype, torch.device("cpu"))
         installed = time.perf_counter()
-        if fuse:
-            self.slot.fused_weights = FusedWeights(PristineWeights(self.slot.base_layers()))
-        self.spec = self.slot.spec(self.family, self.dtype, torch.device("cpu"))
+        fused = FusedWeights(PristineWeights(slot.base_layers())) if fuse else None
+        self.residency = AdapterResidency(slot, fused)
+        self.spec = self.residency.spec(self.family, self.dtype, torch.device("cpu"))
         return installed - started, time.perf_counter() - installed
 
     @property
     def pristine_bytes(self) -> int:
         """Bytes of the pristine copies (0 when no fused path runs)."""
-        fused = self.slot.fused_weights if self.slot is not None else None
+        fused = self.residency.fused_weights if self.residency is not None else None
         return fused.pristine.nbytes if fused is not None else 0
 
     def _load_canonical(self, path: Path):
@@ -318,22 +319,22 @@ class SwapBench:
 
         def swap(path):
             with torch.inference_mode():
-                self.slot.load(self._load_canonical(path), 1.0)
+                self.residency.load_stack(((self._load_canonical(path), 1.0),))
 
         return self.measure(pair, swap, swap)
 
     def loraswap_stack(self, pair):
-        """`HotswapSlot.load_stack` of canonical adapters in host memory: the cache to a whole stack ready."""
+        """`AdapterResidency.load_stack` of canonical adapters in host memory: the cache to a whole stack ready."""
         import torch
 
         for stack in pair:
             for path in stack:
                 self.canonical.setdefault(str(path), self._load_canonical(path))
-        self.slot.load(None)
+        self.residency.load_stack(())
 
         def swap(stack):
             with torch.inference_mode():
-                self.slot.load_stack([(self.canonical[str(path)], 1.0) for path in stack])
+                self.residency.load_stack([(self.canonical[str(path)], 1.0) for path in stack])
 
         return self.measure(pair, swap, swap)
 
@@ -343,11 +344,11 @@ class SwapBench:
         # The host-memory cache holds canonical adapters; a warm swap starts from one of them.
         for path in pair:
             self.canonical.setdefault(str(path), self._load_canonical(path))
-        self.slot.load(None)  # the base model resident, as after start-up
+        self.residency.load_stack(())  # the base model resident, as after start-up
 
         def swap(path):
             with torch.inference_mode():
-                self.slot.load(self.canonical[str(path)], 1.0)
+                self.residency.load_stack(((self.canonical[str(path)], 1.0),))
 
         return self.measure(pair, swap, swap)
 
@@ -356,14 +357,14 @@ class SwapBench:
         merge's cost does not depend on what the live weights hold (it writes every touched layer from W0), so
         the floor's writing W0 into them between merges changes nothing the merge does. The base model is
         resident before and after."""
-        self.slot.load(None)
+        self.residency.load_stack(())
         try:
             return self.measure_interleaved(pair, {name: getattr(self, name)(pair) for name in names})
         finally:
-            self.slot.load(None)  # W0 back in every base weight, for the paths after these
+            self.residency.load_stack(())  # W0 back in every base weight, for the paths after these
 
     def loraswap_fuse(self, pair):
-        """`HotswapSlot.load_stack(((adapter, 1.0),), fused=True)` of an adapter in canonical form in host memory:
+        """`AdapterResidency.load_stack(((adapter, 1.0),), fused=True)` of an adapter in canonical form in host memory:
         the cache to ready with the adapter merged into the base weights of the layers it touches (W0 + B A, from
         the pristine copies, accumulated in float32 and rounded once), what a fused swap in the server does.
         Returns (first, swap) for `fuse_paths`."""
@@ -374,7 +375,7 @@ class SwapBench:
 
         def swap(path):
             with torch.inference_mode():
-                self.slot.load_stack(((self.canonical[str(path)], 1.0),), fused=True)
+                self.residency.load_stack(((self.canonical[str(path)], 1.0),), fused=True)
 
         return swap, swap
 
@@ -386,15 +387,16 @@ class SwapBench:
 
         for path in pair:
             self.canonical.setdefault(str(path), self._load_canonical(path))
-        self.slot.load(None)
+        self.residency.load_stack(())
         with torch.inference_mode():
-            self.slot.load_stack(((self.canonical[str(pair[0])], 1.0),), fused=True)  # untimed: the scratch's pages
+            # Untimed: the scratch's pages.
+            self.residency.load_stack(((self.canonical[str(pair[0])], 1.0),), fused=True)
         started = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as profiler, torch.inference_mode():
             for index in range(PROFILED_FUSE_SWAPS):
-                self.slot.load_stack(((self.canonical[str(pair[(index + 1) % 2])], 1.0),), fused=True)
+                self.residency.load_stack(((self.canonical[str(pair[(index + 1) % 2])], 1.0),), fused=True)
         wall_ms = (time.perf_counter() - started) * 1000.0 / PROFILED_FUSE_SWAPS
-        self.slot.load(None)
+        self.residency.load_stack(())
         ops = sorted(profiler.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
         return {
             "swaps": PROFILED_FUSE_SWAPS,
@@ -447,7 +449,7 @@ class SwapBench:
         casts, and the finiteness check. Returns (first, swap) for `fuse_paths`."""
         import torch
 
-        pristine = self.slot.fused_weights.pristine
+        pristine = self.residency.fused_weights.pristine
         plans = {}
         for path in pair:
             adapter = self.canonical.get(str(path)) or self._load_canonical(path)
@@ -505,16 +507,16 @@ class SwapBench:
         started = time.perf_counter()
         with torch.inference_mode():
             # As the server's warm-up does: one run per rank bucket (the base model's included), each its own graph.
-            self.slot.load_stack(())
-            for bucket in self.slot.graph_buckets:
-                with self.slot.computing_at(bucket):
+            self.residency.load_stack(())
+            for bucket in self.residency.slot.graph_buckets:
+                with self.residency.computing_at(bucket):
                     self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
             at_ready = counter.graphs_compiled
             swaps = [(item, False) for item in adapters] + [(path, True) for path in fused] + [((), False)]
             for item, merged in swaps:
                 paths = item if isinstance(item, tuple) else (item,)
                 members = [(self.canonical.get(str(path)) or self._load_canonical(path), 1.0) for path in paths]
-                self.slot.load_stack(members, fused=merged)
+                self.residency.load_stack(members, fused=merged)
                 self.pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0))
         return {
             "backend": backend,

@@ -17,10 +17,10 @@ import torch
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
 from loraswap.server.engine.adapters.copy_stream import CopyStream
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
-from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
+from tests.support.slots import install_residency
 
 torch.set_num_threads(1)
 
@@ -81,14 +81,14 @@ def test_a_negative_budget_is_refused():
 
 
 def test_a_slot_copying_from_the_hot_set_holds_what_a_slot_copying_from_the_host_holds():
-    def slot_and_layers():
+    def slot_and_layers(device_cache=None):
         transformer = builtin_model("tiny-flux").build().transformer.to(torch.bfloat16)
         layers = resolve_target_layers(transformer, FLUX.default_target_modules)
-        return HotswapSlot.install(transformer, layers, 16, torch.bfloat16, CPU), transformer, layers
+        residency = install_residency(transformer, layers, 16, torch.bfloat16, device_cache=device_cache)
+        return residency, transformer, layers
 
     plain, plain_model, layers = slot_and_layers()
-    hot, hot_model, _ = slot_and_layers()
-    hot.device_cache = DeviceAdapterCache(1 << 30, CPU)
+    hot, hot_model, _ = slot_and_layers(DeviceAdapterCache(1 << 30, CPU))
     generator = torch.Generator().manual_seed(0)
     adapters = []
     for name, rank in (("r8", 8), ("r3", 3)):  # 16 bytes a lora_B row, and 6 (element by element)

@@ -16,6 +16,7 @@ from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import InvalidRequestError, StartupError
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.startup import start_runtime
+from tests.support.slots import holds_pristine
 
 MAX_RANK = 16
 # name -> write_random_adapter keywords
@@ -72,28 +73,28 @@ def _peft_merged(adapter_dir, name: str, scale: float, layers) -> dict[str, torc
 @pytest.mark.parametrize(("name", "scale"), [("plain", 1.0), ("plain", -0.7), ("mlp", 1.6), ("dora", 1.0),
                                              ("dora", 0.5), ("bias", 0.8), ("wide", 1.0)])  # fmt: skip
 def test_a_fused_adapter_writes_what_peft_merges(runtime, adapters, adapter_dir, name, scale) -> None:
-    fused = runtime.slot.fused_weights
+    fused = runtime.residency.fused_weights
     adapter = adapters[name]
     assert adapter.fits_slot is (name in ("plain", "mlp"))
     fused.merge(((adapter, scale),))
     try:
-        ours = _base_weights(runtime.denoiser, runtime.slot.layer_names)
+        ours = _base_weights(runtime.denoiser, list(runtime.residency.slot.layers))
     finally:
         fused.restore()
-    expected = _peft_merged(adapter_dir, name, scale, runtime.slot.layer_names)
+    expected = _peft_merged(adapter_dir, name, scale, list(runtime.residency.slot.layers))
     assert ours.keys() == expected.keys()
     changed = [key for key in ours if not torch.equal(expected[key], fused.pristine.weights.get(key, expected[key]))]
     assert changed, "the adapter must change some base weights"
     for key, weight in ours.items():
         torch.testing.assert_close(weight, expected[key], rtol=1e-5, atol=1e-6, msg=key)
-    assert fused.holds_pristine()
+    assert holds_pristine(fused)
 
 
 def test_a_stack_fuses_as_the_sum_of_its_members(runtime, adapters) -> None:
-    fused = runtime.slot.fused_weights
+    fused = runtime.residency.fused_weights
     members = ((adapters["plain"], 0.5), (adapters["mlp"], -1.2), (adapters["wide"], 0.8))
     fused.merge(members)
-    stacked = _base_weights(runtime.denoiser, runtime.slot.layer_names)
+    stacked = _base_weights(runtime.denoiser, list(runtime.residency.slot.layers))
     for name, weight in stacked.items():
         if name.endswith(".bias"):
             continue
@@ -104,12 +105,12 @@ def test_a_stack_fuses_as_the_sum_of_its_members(runtime, adapters) -> None:
                 expected += scale * layer.b.float() @ layer.a.float()
         torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6)
     fused.restore()
-    assert fused.holds_pristine()
+    assert holds_pristine(fused)
 
 
 def test_every_merge_starts_from_the_pristine_weights_so_repeats_are_bit_identical(runtime, adapters) -> None:
-    fused = runtime.slot.fused_weights
-    layers = runtime.slot.layer_names
+    fused = runtime.residency.fused_weights
+    layers = list(runtime.residency.slot.layers)
     fused.merge(((adapters["dora"], 0.9),))
     first = _base_weights(runtime.denoiser, layers)
     sequence = [
@@ -125,7 +126,7 @@ def test_every_merge_starts_from_the_pristine_weights_so_repeats_are_bit_identic
     # A merge touches only its own layers' weights: the previous ones are restored, the rest never written.
     assert fused.touched == frozenset(adapters["dora"].layers)
     fused.restore()
-    assert fused.holds_pristine()
+    assert holds_pristine(fused)
 
 
 def _float16_runtime(fuse: str):
@@ -138,8 +139,8 @@ def _float16_runtime(fuse: str):
 def _constant_adapter(runtime, name: str, value: float) -> CanonicalAdapter:
     """Rank 4 on the slot's last layer, every factor value `value` (3000: each factor fits float16, and lora_B at
     the largest strength, but their product does not)."""
-    layer_name = runtime.slot.layer_names[-1]
-    layer = runtime.slot.base_layers()[layer_name]
+    layer_name = list(runtime.residency.slot.layers)[-1]
+    layer = runtime.residency.slot.base_layers()[layer_name]
     a = torch.full((4, layer.in_features), value, dtype=torch.float16)
     b = torch.full((layer.out_features, 4), value, dtype=torch.float16)
     return CanonicalAdapter(
@@ -149,13 +150,13 @@ def _constant_adapter(runtime, name: str, value: float) -> CanonicalAdapter:
 
 def test_a_merge_that_overflows_is_refused_and_leaves_the_pristine_weights() -> None:
     runtime = _float16_runtime("always")
-    fused = runtime.slot.fused_weights
+    fused = runtime.residency.fused_weights
     huge, small = _constant_adapter(runtime, "huge", 3000.0), _constant_adapter(runtime, "small", 0.01)
     fused.merge(((small, 1.0),))
     with pytest.raises(InvalidRequestError) as refused:
         fused.merge(((huge, 1.0),))
     assert refused.value.reason == "ADAPTER_OUT_OF_RANGE" and "adapter_scale" in refused.value.message
-    assert fused.holds_pristine() and fused.touched == frozenset()
+    assert holds_pristine(fused) and fused.touched == frozenset()
 
 
 def test_under_auto_a_stack_whose_merge_overflows_runs_unfused_and_keeps_that_choice() -> None:
@@ -172,7 +173,7 @@ def test_under_auto_a_stack_whose_merge_overflows_runs_unfused_and_keeps_that_ch
         runtime.generate(params, stack, on_step=lambda progress: None, is_cancelled=lambda: False, fused=True,
                          on_swap=lambda ms, fused: swaps.append(fused))  # fmt: skip
     assert refused.value.reason == "GENERATION_NOT_FINITE", refused.value
-    assert swaps == [False] and not runtime.slot.fused and runtime.slot.fused_weights.holds_pristine()
+    assert swaps == [False] and not runtime.residency.fused and holds_pristine(runtime.residency.fused_weights)
     assert runtime.fuse_choice(stack, params) is False  # the request keeps the unfused way
     assert runtime.needs_swap(stack, False) is False  # and finds it resident
 
@@ -197,7 +198,7 @@ def test_the_slot_serves_fused_and_unfused_in_any_order_with_the_same_bits(runti
     assert image(plain, True).data == first_fused.data
     assert image(plain, False).data == first_unfused.data
     assert image((), False).data == base.data
-    assert runtime.slot.fused_weights.holds_pristine()
+    assert holds_pristine(runtime.residency.fused_weights)
 
 
 def test_pristine_copies_past_the_budget_are_refused_at_start_up_in_one_line() -> None:
@@ -213,7 +214,7 @@ def test_pristine_copies_past_the_budget_are_refused_at_start_up_in_one_line() -
 def test_no_pristine_copies_without_fusing() -> None:
     for config in (EngineConfig(model="tiny-flux", fuse="never"), EngineConfig(model="tiny-flux", quantize="int8wo")):
         runtime = start_runtime(EngineConfig(**{**config.__dict__, "compile": False, "warmup": False}))
-        assert runtime.slot.fused_weights is None and runtime.describe()["fuse_pristine_bytes"] == 0
+        assert runtime.residency.fused_weights is None and runtime.snapshot.facts.fuse_pristine_bytes == 0
         assert not runtime.slot_spec().fuse
 
 

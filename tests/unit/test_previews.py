@@ -168,40 +168,38 @@ def shapes_runtime():
 
 
 def last_preview_and_image(runtime, prompt: str, previewer: LatentPreviewer) -> tuple[bytes, bytes]:
-    runtime.previewer = previewer
+    """The last step's preview made by `previewer`, and the image, of one base-model run of the runtime's pipeline."""
+    from loraswap.server.engine.pipeline.runner import PipelineRunner
+
+    runner = PipelineRunner(replace(runtime.loaded, previewer=previewer), runtime.compiled)
     events = []
     params = runtime.request_rules.resolve(GenerationRequest(prompt=prompt, seed=3, preview_every=1000))
-    image = runtime.generate(params, (), on_step=events.append, is_cancelled=lambda: False)
+    with runner.session():
+        image = runner.run(params, on_step=events.append, is_cancelled=lambda: False)
     assert [event.step for event in events if event.preview] == [params.num_inference_steps]
     return events[-1].preview, image.data
 
 
 def test_the_last_shapes_preview_has_the_images_dominant_colours_and_shuffled_factors_do_not(shapes_runtime) -> None:
-    fitted = shapes_runtime.previewer
+    fitted = shapes_runtime.loaded.previewer
     shuffled = LatentRgb(SHAPES_LATENT_RGB.factors[1:] + SHAPES_LATENT_RGB.factors[:1], SHAPES_LATENT_RGB.bias)
     wrong = LatentPreviewer(shuffled, 4, CPU, fitted._spatial_latents)
-    try:
-        for prompt in SHAPES_PROMPTS:
-            agree, detail = dominant_colours_agree(*last_preview_and_image(shapes_runtime, prompt, fitted))
-            assert agree, f"{prompt}: {detail}"
-            agree, detail = dominant_colours_agree(*last_preview_and_image(shapes_runtime, prompt, wrong))
-            assert not agree, f"{prompt}: shuffled factors passed the check: {detail}"
-    finally:
-        shapes_runtime.previewer = fitted
+    for prompt in SHAPES_PROMPTS:
+        agree, detail = dominant_colours_agree(*last_preview_and_image(shapes_runtime, prompt, fitted))
+        assert agree, f"{prompt}: {detail}"
+        agree, detail = dominant_colours_agree(*last_preview_and_image(shapes_runtime, prompt, wrong))
+        assert not agree, f"{prompt}: shuffled factors passed the check: {detail}"
 
 
 def test_projection_is_not_just_any_linear_map(shapes_runtime) -> None:
     """Swapping the output colours (RGB -> BGR) fails the check too, on a prompt whose colours it changes."""
-    fitted = shapes_runtime.previewer
+    fitted = shapes_runtime.loaded.previewer
     bgr = replace(
         SHAPES_LATENT_RGB,
         factors=tuple(row[::-1] for row in SHAPES_LATENT_RGB.factors),
         bias=SHAPES_LATENT_RGB.bias[::-1],
     )
-    try:
-        preview, image = last_preview_and_image(
-            shapes_runtime, SHAPES_PROMPTS[0], LatentPreviewer(bgr, 4, CPU, fitted._spatial_latents)
-        )
-        assert not dominant_colours_agree(preview, image)[0]
-    finally:
-        shapes_runtime.previewer = fitted
+    preview, image = last_preview_and_image(
+        shapes_runtime, SHAPES_PROMPTS[0], LatentPreviewer(bgr, 4, CPU, fitted._spatial_latents)
+    )
+    assert not dominant_colours_agree(preview, image)[0]

@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 
 def test_random_flux_runtime_has_full_width_layers_and_bf16_slot():
     runtime = start_runtime(EngineConfig(model="random-flux", layers=1, max_rank=8, compile=False, warmup=False))
-    assert runtime.dtype == torch.bfloat16  # the default for full-size random models, even on CPU
+    assert runtime.loaded.dtype == torch.bfloat16  # the default for full-size random models, even on CPU
     assert runtime.request_rules.size_multiple == 16
     spec = runtime.slot_spec()
     assert spec.layer_shapes["transformer_blocks.0.attn.to_q"] == (3072, 3072)

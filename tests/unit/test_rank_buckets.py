@@ -14,12 +14,13 @@ import torch
 
 from loraswap.server.config import SettingsError, add_serve_arguments, settings_from_args
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
-from loraswap.server.engine.adapters.slot import SLOT_ADAPTER_NAME, HotswapSlot
+from loraswap.server.engine.adapters.slot import SLOT_ADAPTER_NAME
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.compile import CountingBackend
 from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 from loraswap.server.engine.rank_buckets import bucket_for, default_rank_buckets, resolve_rank_buckets
+from tests.support.slots import gates_match_resident, install_residency
 
 torch.set_num_threads(1)
 
@@ -110,8 +111,7 @@ def _transformer_with_slot(rank_buckets):
     torch.manual_seed(0)  # the same random weights for every copy
     transformer = builtin_model("tiny-flux").build().transformer
     layers = resolve_target_layers(transformer, FLUX.default_target_modules)
-    slot = HotswapSlot.install(transformer, layers, MAX_RANK, torch.float32, torch.device("cpu"), rank_buckets)
-    return transformer, layers, slot
+    return transformer, layers, install_residency(transformer, layers, MAX_RANK, torch.float32, rank_buckets)
 
 
 def _adapter(transformer, layers, rank: int, seed: int, every: int = 1) -> CanonicalAdapter:
@@ -142,7 +142,7 @@ def _inputs(transformer) -> dict:
 
 def test_the_bucket_follows_the_resident_rank_and_the_base_model_skips_the_branch():
     transformer, layers, slot = _transformer_with_slot(BUCKETS)
-    assert slot.rank_buckets == BUCKETS and slot.graph_buckets == (0, *BUCKETS)
+    assert slot.slot.rank_buckets == BUCKETS and slot.slot.graph_buckets == (0, *BUCKETS)
     lora_layer = transformer.get_submodule(layers[0])
     for adapters, expected in [
         ([(2, 1.0)], 4),
@@ -166,7 +166,7 @@ def test_the_bucket_follows_the_resident_rank_and_the_base_model_skips_the_branc
 def test_computing_at_a_higher_bucket_changes_no_output_and_refuses_a_lower_one():
     transformer, layers, slot = _transformer_with_slot(BUCKETS)
     adapter = _adapter(transformer, layers, 5, seed=3)
-    slot.load(adapter, 0.8)
+    slot.load_stack([(adapter, 0.8)])
     inputs = _inputs(transformer)
     with torch.inference_mode():
         at_own = transformer(**inputs)[0]
@@ -215,7 +215,7 @@ def test_bucketed_slot_matches_a_full_width_slot_and_the_base_model_is_the_bare_
                 assert torch.equal(actual, expected_base)
             else:
                 assert (actual - expected_base).abs().max() > 1e-3  # the adapter really acts
-    assert slot.gates_match_resident()
+    assert gates_match_resident(slot.slot)
 
 
 def test_swaps_between_buckets_compile_nothing_after_the_warm_up():
@@ -236,13 +236,13 @@ def test_swaps_between_buckets_compile_nothing_after_the_warm_up():
     counter = CountingBackend("eager")
     block.compile(backend=counter)
     with torch.inference_mode():
-        for bucket in slot.graph_buckets:  # the warm-up: one graph per bucket, the base model's included
+        for bucket in slot.slot.graph_buckets:  # the warm-up: one graph per bucket, the base model's included
             with slot.computing_at(bucket):
                 block(*args, **kwargs)
-        assert counter.graphs_compiled == len(slot.graph_buckets)
+        assert counter.graphs_compiled == len(slot.slot.graph_buckets)
         for members in _sequence(bucketed, layers):
             slot.load_stack(members)
             full_slot.load_stack(members)
             for actual, expected in zip(block(*args, **kwargs), full_block(*args, **kwargs)):
                 torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    assert counter.graphs_compiled == len(slot.graph_buckets), "a swap compiled a graph"
+    assert counter.graphs_compiled == len(slot.slot.graph_buckets), "a swap compiled a graph"

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
-from loraswap.server.engine.adapters.slot import HotswapSlot, RankGatedLinear, check_stack_fits
+from loraswap.server.engine.adapters.slot_modules import RankGatedLinear
+from loraswap.server.engine.adapters.swap_plan import check_stack_fits
 from loraswap.server.engine.errors import AdapterIncompatibleError, ErrorReason
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
+from tests.support.slots import gates_match_resident, install_residency
 
 torch.set_num_threads(1)
 
@@ -26,8 +28,12 @@ MAX_RANK = 16
 def _denoiser_with_slot(dtype: torch.dtype):
     transformer = builtin_model("tiny-flux").build().transformer.to(dtype)
     layers = resolve_target_layers(transformer, FLUX.default_target_modules)
-    slot = HotswapSlot.install(transformer, layers, MAX_RANK, dtype, torch.device("cpu"))
-    return transformer, layers, slot
+    return transformer, layers, install_residency(transformer, layers, MAX_RANK, dtype)
+
+
+def _load(residency, adapter: CanonicalAdapter | None, scale: float = 1.0) -> float:
+    """Make one adapter (None: the base model) resident at `scale`."""
+    return residency.load_stack(() if adapter is None else ((adapter, scale),))
 
 
 def _adapter(transformer, layers, rank: int, magnitude: float, dtype: torch.dtype, seed: int) -> CanonicalAdapter:
@@ -69,16 +75,16 @@ def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype,
         name="partial", source="test", layers={layers[0]: low.layers[layers[0]]}, warnings=(), load_ms=0.0
     )
 
-    slot.load(high, 1.5)
+    _load(slot, high, 1.5)
     if dtype is torch.float16:
         assert not torch.isfinite(_outputs(transformer, layers, x)[layers[0]]).all(), "stale ranks must overflow"
     base = _outputs(_denoiser_with_slot(dtype)[0], layers, x)
 
     for adapter, scale in [(low, 0.7), (None, 1.0), (high, 1.0), (partial, 1.0), (odd, -1.5), (low, 1.0)]:
-        slot.load(high, 2.0)  # the stale values every case starts from
-        slot.load(adapter, scale)
+        _load(slot, high, 2.0)  # the stale values every case starts from
+        _load(slot, adapter, scale)
         fresh_transformer, _, fresh_slot = _denoiser_with_slot(dtype)  # never held anything else
-        fresh_slot.load(adapter, scale)
+        _load(fresh_slot, adapter, scale)
         live, expected = _outputs(transformer, layers, x), _outputs(fresh_transformer, layers, x)
         for name in layers:
             # Bit for bit; NaN only where the fresh slot has it too (the high-rank adapter itself, in float16).
@@ -93,7 +99,7 @@ def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype,
                 rank = layer.rank
                 assert torch.equal(module.lora_A["loraswap_slot"].weight[:rank], layer.a)
                 assert torch.equal(module.lora_B["loraswap_slot"].weight[:, :rank], layer.b * scale)
-        assert slot.gates_match_resident()
+        assert gates_match_resident(slot.slot)
         # Nothing was cleared: the stale ranks still hold the high-rank adapter's values.
         a = transformer.get_submodule(layers[-1]).lora_A["loraswap_slot"].weight
         assert a[4:].abs().max() > 0
@@ -104,7 +110,7 @@ def test_slot_layers_are_gated_and_the_gate_is_not_saved():
     for name in layers:
         assert isinstance(transformer.get_submodule(name).lora_A["loraswap_slot"], RankGatedLinear)
     assert not any("rank_gate" in key for key in transformer.state_dict())
-    assert slot.gates_match_resident()
+    assert gates_match_resident(slot.slot)
 
 
 def test_a_load_that_fails_part_way_leaves_no_stale_gate_behind():
@@ -115,17 +121,17 @@ def test_a_load_that_fails_part_way_leaves_no_stale_gate_behind():
     broken = CanonicalAdapter(
         name="broken", source="test", layers={**low.layers, layers[-1]: broken_layer}, warnings=(), load_ms=0.0
     )
-    slot.load(high)
+    _load(slot, high)
     with pytest.raises(RuntimeError):
-        slot.load(broken)
-    assert slot.resident is None and not slot.is_resident(None, 1.0)
-    slot.load(low)
+        _load(slot, broken)
+    assert slot.resident_adapters == () and not slot.holds(())
+    _load(slot, low)
     fresh_transformer, _, fresh_slot = _denoiser_with_slot(torch.float32)
-    fresh_slot.load(low)
+    _load(fresh_slot, low)
     x = {name: torch.randn(2, transformer.get_submodule(name).in_features) for name in layers}
     live, expected = _outputs(transformer, layers, x), _outputs(fresh_transformer, layers, x)
     assert all(torch.equal(live[name], expected[name]) for name in layers)
-    assert slot.gates_match_resident()
+    assert gates_match_resident(slot.slot)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -133,8 +139,8 @@ def test_lora_b_bytes_arrive_exactly_on_the_16_byte_path_and_off_it(dtype):
     transformer, layers, slot = _denoiser_with_slot(dtype)
     for rank in (8, 16, 3, 4):  # 16-byte rows (bf16/fp16 at 8 and 16, fp32 at 4, 8, 16) and element-wise ones
         adapter = _adapter(transformer, layers, rank, 0.3, dtype, seed=rank)
-        slot.load(adapter, 0.35)
-        wide = [flag for _, _, flag in adapter.swap_cache[next(iter(adapter.swap_cache))][0]]
+        _load(slot, adapter, 0.35)
+        wide = [layer.wide for layer in adapter.swap_cache[next(iter(adapter.swap_cache))].layout]
         assert all(wide) == ((rank * torch.finfo(dtype).bits // 8) % 16 == 0)
         for name, layer in adapter.layers.items():
             lora_b = transformer.get_submodule(name).lora_B["loraswap_slot"].weight
@@ -142,7 +148,7 @@ def test_lora_b_bytes_arrive_exactly_on_the_16_byte_path_and_off_it(dtype):
     # An adapter in another dtype than the slot's is converted, never byte-copied.
     other = torch.float32 if dtype != torch.float32 else torch.float16
     mismatched = _adapter(transformer, layers, 8, 0.3, other, seed=9)
-    slot.load(mismatched)
+    _load(slot, mismatched)
     for name, layer in mismatched.layers.items():
         lora_b = transformer.get_submodule(name).lora_B["loraswap_slot"].weight
         assert torch.equal(lora_b[:, :8], layer.b.to(dtype))
@@ -203,7 +209,7 @@ def test_stacks_then_single_then_base_match_a_fresh_slot_bit_for_bit(dtype, stal
         ((odd, 1.0), (fourth, 0.5)),
     ]
     for members in sequence:
-        slot.load(high, 2.0)  # the stale values every case starts from
+        _load(slot, high, 2.0)  # the stale values every case starts from
         slot.load_stack(members)
         fresh_transformer, _, fresh_slot = _denoiser_with_slot(dtype)  # never held anything else
         fresh_slot.load_stack(members)
@@ -212,12 +218,12 @@ def test_stacks_then_single_then_base_match_a_fresh_slot_bit_for_bit(dtype, stal
             assert torch.equal(live[name], expected[name]), ([m[0].name for m in members], name)
             assert torch.isfinite(live[name]).all(), ([m[0].name for m in members], name)
         _assert_slot_holds(transformer, members)
-        assert slot.gates_match_resident() and slot.holds(members)
+        assert gates_match_resident(slot.slot) and slot.holds(members)
         assert slot.resident_adapters == tuple(sorted((m[0] for m in members), key=lambda adapter: adapter.name))
         # Nothing was cleared: the ranks beyond the stack still hold the high-rank adapter's values.
         assert transformer.get_submodule(layers[-1]).lora_A["loraswap_slot"].weight[12:].abs().max() > 0
     # Some member's 16-byte lora_B source met a rank range that starts off a 16-byte boundary.
-    assert any(plan.narrowed for plan in slot._plans.values())
+    assert any(copy.narrow for plan in slot.planner.cached_plans for copy in plan.copies)
 
 
 def test_a_stack_equals_its_members_in_any_order_and_is_no_single_adapter():
@@ -228,15 +234,15 @@ def test_a_stack_equals_its_members_in_any_order_and_is_no_single_adapter():
     assert slot.load_stack([(b, 0.5), (a, 1.0)]) > 0
     in_one_order = _outputs(transformer, layers, x)
     assert slot.holds([(a, 1.0), (b, 0.5)]) and slot.load_stack([(a, 1.0), (b, 0.5)]) == 0.0
-    assert not slot.holds([(a, 1.0), (b, 0.6)]) and not slot.holds([(a, 1.0)]) and not slot.is_resident(a, 1.0)
-    assert slot.resident is None and slot.resident_scale == 1.0  # a stack is not "one resident adapter"
-    slot.load(None)
+    assert not slot.holds([(a, 1.0), (b, 0.6)]) and not slot.holds([(a, 1.0)]) and not slot.holds([(a, 1.0)])
+    assert slot.resident_members == ((a, 1.0), (b, 0.5))  # a stack, in name order
+    _load(slot, None)
     slot.load_stack([(a, 1.0), (b, 0.5)])
     in_the_other = _outputs(transformer, layers, x)
     assert all(torch.equal(in_one_order[name], in_the_other[name]) for name in layers)
     # A one-member stack is the single adapter.
     slot.load_stack([(a, 0.5)])
-    assert slot.resident is a and slot.resident_scale == 0.5 and slot.is_resident(a, 0.5)
+    assert slot.resident_members == ((a, 0.5),) and slot.holds([(a, 0.5)])
 
 
 def test_a_stack_over_max_rank_is_refused_before_anything_changes():
@@ -244,7 +250,7 @@ def test_a_stack_over_max_rank_is_refused_before_anything_changes():
     resident = _named(_adapter(transformer, layers, 4, 0.1, torch.float32, seed=1), "resident")
     big = _named(_adapter(transformer, layers, 12, 0.1, torch.float32, seed=2), "big")
     small = _named(_adapter(transformer, layers, 8, 0.1, torch.float32, seed=3), "small", [layers[2], layers[7]])
-    slot.load(resident, 0.5)
+    _load(slot, resident, 0.5)
     x = {name: torch.randn(2, transformer.get_submodule(name).in_features) for name in layers}
     before = _outputs(transformer, layers, x)
     refusals = (lambda: check_stack_fits([big, small], MAX_RANK), lambda: slot.load_stack([(big, 1.0), (small, 1.0)]))
@@ -259,7 +265,7 @@ def test_a_stack_over_max_rank_is_refused_before_anything_changes():
         assert f"add up to 20 on layer {worst}, above the server's max rank {MAX_RANK}" in error.message
     after = _outputs(transformer, layers, x)
     assert all(torch.equal(before[name], after[name]) for name in layers)
-    assert slot.is_resident(resident, 0.5) and slot.gates_match_resident()
+    assert slot.holds([(resident, 0.5)]) and gates_match_resident(slot.slot)
     check_stack_fits([resident, small], MAX_RANK)  # 4 + 8: fits
 
 
@@ -269,8 +275,8 @@ def test_a_stack_layout_builds_its_plan_once():
     b = _named(_adapter(transformer, layers, 8, 0.1, torch.float32, seed=2), "b")
     for members in ([(a, 1.0), (b, 1.0)], [(a, 1.0)], [(b, 0.5), (a, 2.0)], [], [(a, 1.0)]):
         slot.load_stack(members)
-    assert len(slot._plans) == 2  # the stack (a, b) at any strengths, and a alone
+    assert len(slot.planner.cached_plans) == 2  # the stack (a, b) at any strengths, and a alone
     # Another adapter with a's layout (layers and ranks) and b's reuses the same plans.
     a2 = _named(_adapter(transformer, layers, 4, 0.2, torch.float32, seed=3), "a2")
     slot.load_stack([(a2, 1.0), (b, 1.0)])
-    assert len(slot._plans) == 2
+    assert len(slot.planner.cached_plans) == 2

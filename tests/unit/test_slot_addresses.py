@@ -15,10 +15,10 @@ import torch
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
-from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.families import FLUX
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
+from tests.support.slots import gates_match_resident, install_residency
 
 torch.set_num_threads(1)
 
@@ -47,10 +47,9 @@ def _addresses(transformer) -> dict[str, tuple]:
 def test_every_swap_writes_into_the_same_tensors(hot_set):
     transformer = builtin_model("tiny-flux").build().transformer.to(DTYPE)
     layers = resolve_target_layers(transformer, FLUX.default_target_modules)
-    slot = HotswapSlot.install(transformer, layers, MAX_RANK, DTYPE, torch.device("cpu"), (4, 8, MAX_RANK))
-    if hot_set:
-        # CPU tensors stand in for the device's: the slot copies from the hot set's copies, not the adapters'.
-        slot.device_cache = DeviceAdapterCache(1 << 30, torch.device("cpu"))
+    # CPU tensors stand in for the device's: with a hot set the slot copies from its copies, not the adapters'.
+    device_cache = DeviceAdapterCache(1 << 30, torch.device("cpu")) if hot_set else None
+    slot = install_residency(transformer, layers, MAX_RANK, DTYPE, (4, 8, MAX_RANK), device_cache=device_cache)
     recorded = _addresses(transformer)
     factors = [name for name in recorded if name.startswith("param ") and (".lora_A." in name or ".lora_B." in name)]
     assert len(factors) == 2 * len(layers)
@@ -75,7 +74,7 @@ def test_every_swap_writes_into_the_same_tensors(hot_set):
         gate = first_layer.lora_A["loraswap_slot"].rank_gate.clone()
         slot.load_stack(members)
         assert _addresses(transformer) == before, f"a swap to {[a.name for a, _ in members]} moved a tensor"
-        assert slot.gates_match_resident()
+        assert gates_match_resident(slot.slot)
         changed = not torch.equal(first_layer.lora_B["loraswap_slot"].weight, lora_b) or not torch.equal(
             first_layer.lora_A["loraswap_slot"].rank_gate, gate
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraswap.server.engine.pipeline.warm_up import warm_up_sizes
+from loraswap.server.engine.pipeline.warm_up_shapes import warm_up_sizes
 
 
 def _classes(sizes, period):

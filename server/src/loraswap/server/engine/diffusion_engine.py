@@ -17,14 +17,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from loraswap.server.engine.adapters.base_model import BaseModelPolicy
 from loraswap.server.engine.adapters.cache import AdapterCache, CacheEntry
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, load_canonical
-from loraswap.server.engine.adapters.slot import StackMember, check_stack_fits
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember, load_canonical
 from loraswap.server.engine.adapters.sources import (
     AdapterSources,
     HubAdapterSource,
     LocalAdapterDirectory,
     check_name,
 )
+from loraswap.server.engine.adapters.swap_plan import check_stack_fits
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import (
     EngineError,
@@ -165,7 +165,7 @@ class DiffusionEngine:
             queue_depth=self._scheduler.queue_length,
             cache_bytes=sum(entry.adapter.nbytes for entry in entries),
             cache_entries=len(entries),
-            recompilations=runtime.recompilations if runtime is not None else 0,
+            recompilations=runtime.snapshot.facts.recompilations if runtime is not None else 0,
             swaps=self._scheduler.swaps,
         )
 
@@ -306,9 +306,8 @@ class DiffusionEngine:
 
     def _summary(self, name: str, entry: CacheEntry) -> AdapterSummary:
         adapter = entry.adapter
-        resident = self._runtime is not None and any(
-            adapter is member for member in self._runtime.slot.resident_adapters
-        )
+        # The worker's last snapshot: the event loop never reads the slot itself.
+        resident = self._runtime is not None and any(adapter is member for member in self._runtime.snapshot.resident)
         return AdapterSummary(
             id=name,
             rank=adapter.rank,
@@ -327,11 +326,15 @@ class DiffusionEngine:
 
     def describe(self) -> ServerDescription:
         """The resident model, its slot and its compile state: the runtime's facts, and the engine's own."""
-        runtime = self._require_runtime()
+        facts = self._require_runtime().snapshot.facts  # the worker's last snapshot: nothing here reads the slot itself
         # The model's name, never the server's folder path (any generate-role caller may ask).
-        return ServerDescription(
-            model=model_name(self.config.model), base_model=self._base_models.served.id, **runtime.describe()
-        )
+        return ServerDescription.of(facts, model=model_name(self.config.model), base_model=self._base_models.served.id)
+
+    @property
+    def runtime(self) -> DiffusionRuntime:
+        """The resident runtime, once serving (NotServingError before). Its state belongs to the worker thread:
+        read it off that thread only while no generation runs (tests, benchmarks); `snapshot` is safe anywhere."""
+        return self._require_runtime()
 
     def _require_runtime(self) -> DiffusionRuntime:
         if self._runtime is None:

@@ -109,3 +109,37 @@ def buckets_auto_may_choose(
         for bucket in buckets[1:]
         if not fuse_pays(smallest_saving_ms * bucket / smallest, 1, full_merge_ms[bucket])
     )
+
+
+def warm_up_graphs(policy: str, fusing: bool, graph_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The graphs (rank buckets, the base model's 0 first) the warm-up runs before anything is measured.
+
+    Not fusing, every bucket: swaps are copies into the slot. `always`: the base model's only, since every
+    adapter is fused. `auto`: the base model's and the smallest bucket's, whose measured saving predicts the rest.
+    """
+    if not fusing:
+        return graph_buckets
+    if policy == "always":
+        return (0,)
+    return graph_buckets[:2]
+
+
+def measures_costs(policy: str, fusing: bool) -> bool:
+    """Whether the warm-up measures what the rule weighs: under auto, when the server fuses at all."""
+    return fusing and policy == "auto"
+
+
+def measured_graphs(warmed: tuple[int, ...], graph_buckets: tuple[int, ...], compiled: bool) -> tuple[int, ...]:
+    """The buckets whose steps auto times: those warmed up when compiled (a bucket that was not would compile
+    while timed); every bucket when not compiled, since the rule may then choose any."""
+    return warmed if compiled else graph_buckets
+
+
+def larger_buckets_to_compile(
+    costs: FuseCosts, rank_buckets: tuple[int, ...], all_weight_bytes: int
+) -> tuple[int, ...]:
+    """The buckets above the smallest that a compiled auto server must also warm up: those it could still choose
+    (buckets_auto_may_choose, with the smallest bucket's measured saving and merges over every slot layer)."""
+    full_merges = {bucket: costs.merge_ms(all_weight_bytes, bucket) for bucket in rank_buckets}
+    saving = costs.saving_ms_per_step(rank_buckets[0], costs.measured_pixels) or 0.0
+    return buckets_auto_may_choose(tuple(sorted(full_merges)), saving, full_merges)

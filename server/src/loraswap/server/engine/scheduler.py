@@ -21,8 +21,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter
-from loraswap.server.engine.adapters.slot import StackMember, stack_order
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter, StackMember
+from loraswap.server.engine.adapters.residency import same_members, stack_order
+from loraswap.server.engine.config import SettingsError
 from loraswap.server.engine.errors import (
     EngineError,
     GenerationFailedError,
@@ -59,10 +60,7 @@ class GenerationJob:
 
     def same_stack(self, other: GenerationJob) -> bool:
         """True when both apply the same adapters at the same strengths: one runs after the other without a swap."""
-        return len(self.stack) == len(other.stack) and all(
-            adapter is other_adapter and scale == other_scale
-            for (adapter, scale), (other_adapter, other_scale) in zip(self.stack, other.stack)
-        )
+        return same_members(self.stack, other.stack)
 
     def uses(self, resident: tuple[CanonicalAdapter, ...]) -> bool:
         """True when the job needs exactly the resident adapters (strengths aside): it runs without a swap."""
@@ -197,7 +195,7 @@ class GenerationScheduler:
                 self._cond.wait()
             if not self._waiting:
                 return None
-            job = self._waiting.pop(self._pick(runtime.slot.resident_adapters))
+            job = self._waiting.pop(self._pick(runtime.residency.resident_adapters))
             self._running = job
             self._publish_positions()
             steps_after = sum(other.params.num_inference_steps for other in self._waiting if other.same_stack(job))
@@ -209,7 +207,7 @@ class GenerationScheduler:
         except StartupStopped as stopped:  # not a failure: whoever awaits `ready` says where it stopped
             self.ready.set_exception(stopped)
             return
-        except StartupError as exc:  # one line for whoever starts the server: no traceback to read past
+        except (StartupError, SettingsError) as exc:  # one line for whoever starts the server: no traceback
             log.error("start-up failed: %s", exc)
             self.ready.set_exception(exc)
             return

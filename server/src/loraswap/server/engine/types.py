@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -230,11 +230,11 @@ class PreloadResult:
     already_cached: bool
 
 
-@dataclass(frozen=True)
-class ServerDescription:
-    """The resident model and its swap slot."""
+@dataclass(frozen=True, kw_only=True)
+class RuntimeFacts:
+    """What the resident runtime says of itself: the model as loaded, its slot, compile and storage, and what is
+    resident. Snapshotted on the worker thread, so whoever reads it never touches the runtime."""
 
-    model: str
     family: ModelFamily
     dtype: str
     device: str
@@ -242,7 +242,7 @@ class ServerDescription:
     target_layers: tuple[str, ...]
     compiled: bool
     recompilations: int
-    resident_adapter: str
+    resident_adapter: str  # the resident adapter's name when it is alone; "" for the base model and a stack
     size_multiple: int
     min_size: int
     max_size: int
@@ -250,10 +250,8 @@ class ServerDescription:
     default_height: int
     default_num_inference_steps: int
     default_guidance_scale: float
-    warnings: tuple[str, ...] = field(default=())
     resident_adapters: tuple[str, ...] = ()  # every adapter in the slot (a stack's members), by name
     max_stack: int = 1
-    base_model: str = ""  # the served base in the vocabulary adapters declare theirs (a Hub repo id)
     quantization: str = "none"  # none, int8wo or fp8: how the denoiser's base linear weights are stored
     denoiser_weight_bytes: int = 0  # the denoiser's weights as stored
     attention_backend: str = "native"
@@ -264,3 +262,18 @@ class ServerDescription:
     fuse: str = ""  # --fuse: never, always or auto
     fuse_pristine_bytes: int = 0  # the pristine copies of the slot layers' base weights fused swaps merge from
     torch_threads: int = 0  # torch's CPU threads, fixed; 0 when they follow the machine's load (--torch-threads 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerDescription(RuntimeFacts):
+    """The resident model and its swap slot: the runtime's facts, and the server's name for what it serves."""
+
+    model: str
+    base_model: str = ""  # the served base in the vocabulary adapters declare theirs (a Hub repo id)
+    warnings: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def of(cls, facts: RuntimeFacts, *, model: str, base_model: str) -> ServerDescription:
+        """The description of a server serving `model` (its base in adapters' vocabulary: `base_model`)."""
+        own = {item.name: getattr(facts, item.name) for item in fields(RuntimeFacts)}
+        return cls(model=model, base_model=base_model, **own)

@@ -3,7 +3,7 @@
 A swap copies an adapter's canonical tensors into the slot's. From (pinned) host memory that crosses the host
 link; from a copy already on the device it is a device-to-device copy, an order of magnitude or two faster.
 The hot set holds, for each adapter in it, a device copy of exactly the tensors the slot copies from (the
-views `HotswapSlot._copy_sources` makes), within a byte budget, least recently swapped out first. An adapter
+`AdapterSources` of swap_plan.py), within a byte budget, least recently swapped out first. An adapter
 joins on its first swap (one host-to-device copy into the hot set, then the device copy into the slot) and
 leaves when the budget needs its room, or when the adapter itself is gone (evicted from the host cache and
 out of the slot): the hot set holds it weakly, so it never keeps an adapter, or a file's old version, alive.

@@ -85,12 +85,17 @@ class FusedWeights:
 
     @property
     def touched(self) -> frozenset[str]:
+        """The layers whose base weights hold a merge now."""
         return frozenset(self._touched)
 
-    @staticmethod
-    def layers_of(members: Iterable[StackMember]) -> set[str]:
-        """The slot layers a stack changes."""
-        return {name for adapter, _ in members for name in adapter.layers}
+    def merge_bytes(self, members: Iterable[StackMember]) -> int:
+        """Bytes of the base weights a merge of these members reads and writes."""
+        return self.pristine.weight_bytes(_layers_of(members))
+
+    @property
+    def all_weight_bytes(self) -> int:
+        """Bytes of every slot layer's base weight: what a merge over all of them reads and writes."""
+        return self.pristine.weight_bytes(self.pristine.weights)
 
     @torch.no_grad()
     def merge(self, members: tuple[StackMember, ...]) -> float:
@@ -101,7 +106,7 @@ class FusedWeights:
                 the base weights then hold W0 on every layer (nothing is fused).
         """
         started = time.perf_counter()
-        wanted = self.layers_of(members)
+        wanted = _layers_of(members)
         for name in sorted(self._touched - wanted):
             self._restore(name)
         self._touched &= wanted
@@ -127,14 +132,6 @@ class FusedWeights:
             self._restore(name)
         self._touched.clear()
         return (time.perf_counter() - started) * 1000.0
-
-    def holds_pristine(self) -> bool:
-        """Invariant check (tests): every base weight and bias equals its pristine copy bit for bit."""
-        return all(
-            torch.equal(layer.weight, self.pristine.weights[name])
-            and (layer.bias is None or torch.equal(layer.bias, self.pristine.biases[name]))
-            for name, layer in self.pristine.layers.items()
-        )
 
     def _restore(self, name: str) -> None:
         layer = self.pristine.layers[name]
@@ -211,6 +208,11 @@ class FusedWeights:
             layer.bias.copy_(bias)
             finite = finite & _all_finite(layer.bias)
         return finite
+
+
+def _layers_of(members: Iterable[StackMember]) -> set[str]:
+    """The slot layers a stack changes."""
+    return {name for adapter, _ in members for name in adapter.layers}
 
 
 def _all_finite(tensor: torch.Tensor) -> torch.Tensor:

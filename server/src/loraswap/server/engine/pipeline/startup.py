@@ -15,37 +15,49 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
+from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.compile_options import effective_compile_mode, resolve_compile_kind
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import GenerationCancelledError, StartupError, StartupStopped
 from loraswap.server.engine.families import family_of
-from loraswap.server.engine.fuse_policy import FuseCosts, buckets_auto_may_choose
+from loraswap.server.engine.fuse_policy import (
+    FuseCosts,
+    larger_buckets_to_compile,
+    measured_graphs,
+    measures_costs,
+    warm_up_graphs,
+)
 from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
 from loraswap.server.engine.pipeline.attention import apply_attention, resolve_attention
 from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, compile_counting
 from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
-from loraswap.server.engine.pipeline.fuse_costs import measure_fuse_costs, measure_step_ms
+from loraswap.server.engine.pipeline.fuse_costs import FuseCostMeter
+from loraswap.server.engine.pipeline.preflight import preflight
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
 from loraswap.server.engine.pipeline.quantization import quantize_denoiser, weight_bytes
-from loraswap.server.engine.pipeline.runtime import (
+from loraswap.server.engine.pipeline.records import (
     CompiledDenoiser,
-    DiffusionRuntime,
     InstalledSlot,
     LoadedModel,
     StoredWeights,
+    WarmedUp,
 )
+from loraswap.server.engine.pipeline.runner import PipelineRunner
+from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
-from loraswap.server.engine.pipeline.warm_up import warm_up_buckets, warm_up_requests
+from loraswap.server.engine.pipeline.warm_up_shapes import warm_up_buckets, warm_up_requests
 from loraswap.server.engine.rank_buckets import resolve_rank_buckets
 from loraswap.server.engine.request_rules import RequestRules
+from loraswap.server.engine.types import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +99,10 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
     """The resident pipeline, loaded, slotted, quantized, compiled and warm; each phase logged with its duration.
 
     Raises:
+        SettingsError: the pre-flight found a setting this process cannot serve (one line).
         StartupStopped: `stop` was requested; raised at the next phase, warm-up pass or warm-up step.
     """
+    preflight(config)  # what this process cannot serve is refused before anything loads
     stop = stop or StartupStop()
     clock = _PhaseClock()
     stop.enter("load")
@@ -109,16 +123,15 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
         # dynamo compiles lazily: the graphs themselves are built by the warm-up's first calls.
         clock.done("compile", f"backend {config.compile_backend}")
     stop.enter("warm-up")
-    runtime = DiffusionRuntime(config, loaded, installed, weights, compiled)
+    warmed = warm_up(config, loaded, installed, compiled, stop)
     if config.warmup:
-        warm_up(runtime, _compile_cache_folder(config, loaded, installed, compiled), stop)
-        clock.done("warm-up", f"{runtime.graphs_compiled} graphs compiled")
+        clock.done("warm-up", f"{warmed.graphs_at_ready} graphs compiled")
     stop.check()
-    runtime.count_recompilations_from_now()
+    runtime = DiffusionRuntime(config, loaded, installed, weights, compiled, warmed)
     log.info(
         "ready: %s (%s, %s on %s), %d slot layers at rank %d, compiled=%s, in %.1f s",
-        config.model, runtime.family.value, runtime.dtype, runtime.device, len(runtime.target_layers),
-        config.max_rank, runtime.compiled, clock.total_seconds,
+        config.model, loaded.traits.family.value, loaded.dtype, loaded.device, len(installed.target_layers),
+        config.max_rank, compiled.compiled, clock.total_seconds,
     )  # fmt: skip
     return runtime
 
@@ -145,12 +158,7 @@ def load(config: EngineConfig) -> LoadedModel:
             component.requires_grad_(False)
     pipe.to(device)
     return LoadedModel(
-        pipe=pipe,
-        traits=traits,
-        device=device,
-        dtype=dtype,
-        threads=threads,
-        defaults=defaults,
+        pipe=pipe, traits=traits, device=device, dtype=dtype, threads=threads, defaults=defaults,
         request_rules=RequestRules(
             defaults=defaults,
             size_multiple=traits.size_multiple(pipe),
@@ -165,11 +173,12 @@ def load(config: EngineConfig) -> LoadedModel:
             device,
             functools.partial(traits.spatial_latents, pipe),
         ),
-    )
+    )  # fmt: skip
 
 
 def install_slot(config: EngineConfig, loaded: LoadedModel) -> InstalledSlot:
-    """The swap slot on the target layers at max rank, and (CUDA) the device hot set of adapters."""
+    """The swap slot on the target layers at max rank, its pristine copies (when fusing) and (CUDA) the device hot
+    set of adapters."""
     denoiser = loaded.denoiser
     patterns = config.target_modules or loaded.traits.default_target_modules
     target_layers = resolve_target_layers(denoiser, tuple(patterns))
@@ -177,23 +186,22 @@ def install_slot(config: EngineConfig, loaded: LoadedModel) -> InstalledSlot:
         denoiser, target_layers, config.max_rank, loaded.dtype, loaded.device,
         resolve_rank_buckets(config.rank_buckets, config.max_rank),
     )  # fmt: skip
-    pristine_bytes = _keep_pristine_weights(config, loaded, slot) if config.fuses else 0
+    fused_weights = _keep_pristine_weights(config, loaded, slot) if config.fuses else None
     # CUDA only: cached adapters are pinned (SlotSpec.pin_memory) and hot ones kept on the device.
     device_adapter_bytes = config.device_adapter_bytes if loaded.device.type == "cuda" else 0
-    if device_adapter_bytes:
-        slot.device_cache = DeviceAdapterCache(device_adapter_bytes, loaded.device)
-    elif config.device_adapter_bytes:
+    device_cache = DeviceAdapterCache(device_adapter_bytes, loaded.device) if device_adapter_bytes else None
+    if config.device_adapter_bytes and device_cache is None:
         log.info("--device-adapter-bytes: adapters are copied from host memory on %s, no hot set", loaded.device)
     return InstalledSlot(
-        slot=slot,
+        residency=AdapterResidency(slot, fused_weights, device_cache),
         target_layers=tuple(target_layers),
         device_adapter_bytes=device_adapter_bytes,
-        pristine_bytes=pristine_bytes,
+        pristine_bytes=fused_weights.pristine.nbytes if fused_weights is not None else 0,
     )
 
 
-def _keep_pristine_weights(config: EngineConfig, loaded: LoadedModel, slot: HotswapSlot) -> int:
-    """Copy the slot layers' base weights apart, for fused swaps to merge from (adapters/fused.py); their bytes.
+def _keep_pristine_weights(config: EngineConfig, loaded: LoadedModel, slot: HotswapSlot) -> FusedWeights:
+    """Copy the slot layers' base weights apart, for fused swaps to merge from (adapters/fused.py).
 
     Raises:
         StartupError: the copies do not fit in --fuse-memory-bytes (or, unset, in what the device has free).
@@ -208,8 +216,7 @@ def _keep_pristine_weights(config: EngineConfig, loaded: LoadedModel, slot: Hots
             f"{needed} bytes, more than {source} ({budget} bytes); raise --fuse-memory-bytes, cover fewer layers "
             "with --target-modules, or use --fuse never"
         )
-    slot.fused_weights = FusedWeights(PristineWeights(base_layers))
-    return needed
+    return FusedWeights(PristineWeights(base_layers))
 
 
 def _free_bytes(device: torch.device) -> int | None:
@@ -245,75 +252,91 @@ def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: Insta
     backend = None
     if kind != "none":
         # Each rank bucket (and the base model) is a graph of its own for every class of shapes.
-        buckets_limit = RECOMPILE_LIMIT * len(installed.slot.graph_buckets)
+        buckets_limit = RECOMPILE_LIMIT * len(installed.residency.slot.graph_buckets)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets_limit)
         backend = compile_counting(loaded.denoiser, config.compile_backend, kind=kind, mode=mode)
     return CompiledDenoiser(kind=kind, mode=mode, attention_backend=attention_backend, backend=backend)
 
 
-def warm_up(runtime: DiffusionRuntime, compile_cache_folder: Path | None, stop: StartupStop | None = None) -> None:
+def warm_up(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    installed: InstalledSlot,
+    compiled: CompiledDenoiser,
+    stop: StartupStop | None = None,
+) -> WarmedUp:
     """Run the pipeline at the shapes and rank buckets that make every later request reuse a compiled graph, and
     (--fuse auto) measure what the auto rule weighs, compiling the larger buckets only where it may choose them.
 
     Raises StartupStopped at the first pass or step after `stop` is requested."""
     stop = stop or StartupStop()
+    slot = installed.residency.slot
+    if not config.warmup:
+        return WarmedUp(None, frozenset(slot.rank_buckets), compiled.graphs_compiled)
+    runner = PipelineRunner(loaded, compiled)
+    traits = loaded.traits
     requests = warm_up_requests(
-        runtime.request_rules,
-        runtime.traits.upsample_period(runtime.pipe),
-        runtime.traits.warm_up_guidance(runtime.defaults),
+        loaded.request_rules, traits.upsample_period(loaded.pipe), traits.warm_up_guidance(loaded.defaults)
     )
-    slot = runtime.slot
-    with compile_cache_scope(compile_cache_folder):
-        if not runtime.config.fuses:
-            graphs = slot.graph_buckets  # every bucket: swaps are copies into the slot
-        elif runtime.config.fuse == "always":
-            graphs = (0,)  # every adapter is fused: only the base model's graph runs
-        else:
-            graphs = (0, slot.rank_buckets[0])  # the base model's and the smallest bucket's, which predicts the rest
-        for bucket in warm_up_buckets(graphs, runtime.compiled):
-            _run_at(runtime, bucket, requests, stop)
-        if runtime.config.fuse != "auto" or not runtime.config.fuses:
-            runtime.unfused_buckets = frozenset(graphs) - {0}
-            return
-        if not runtime.compiled:  # no graphs to compile: the rule may choose any bucket, so measure them all
-            graphs = slot.graph_buckets
-        stop.check()  # the measurements run a few steady steps each, on graphs compiled by now
-        costs = measure_fuse_costs(runtime, graphs)
-        smallest = slot.rank_buckets[0]
-        full_merges = {bucket: costs.merge_ms(runtime.pristine_weight_bytes, bucket) for bucket in slot.rank_buckets}
-        extra = () if not runtime.compiled else _larger_buckets(costs, smallest, full_merges)
-        for bucket in extra:
-            _run_at(runtime, bucket, requests, stop)
-            stop.check()
-            costs.step_ms[bucket] = measure_step_ms(runtime, bucket)
-        runtime.fuse_costs = costs
-        runtime.unfused_buckets = frozenset(costs.step_ms) - {0}
-    log.info(
-        "--fuse auto: base step %.2f ms; %s; merge %.3g ms/MB + %.3g ms/MB per rank; unfused buckets %s",
-        costs.step_ms[0],
-        ", ".join(f"bucket {b} step {ms:.2f} ms" for b, ms in sorted(costs.step_ms.items()) if b),
-        costs.merge_ms_per_byte * 2**20, costs.merge_ms_per_byte_rank * 2**20,
-        ",".join(map(str, sorted(runtime.unfused_buckets))) or "none",
-    )  # fmt: skip
+    graphs = warm_up_graphs(config.fuse, config.fuses, slot.graph_buckets)
+    costs = None
+    with compile_cache_scope(_compile_cache_folder(config, loaded, installed, compiled)):
+        warm = functools.partial(_run_at, loaded, runner, installed.residency, requests=requests, stop=stop)
+        for bucket in warm_up_buckets(graphs, compiled.compiled):
+            warm(bucket)
+        if measures_costs(config.fuse, config.fuses):
+            stop.check()  # the measurements run a few steady steps each, on graphs compiled by now
+            costs = _measure_fuse_costs(FuseCostMeter(loaded, runner, installed.residency), graphs, compiled, warm)
+    unfused_buckets = frozenset(costs.step_ms if costs is not None else graphs) - {0}
+    if costs is not None:
+        log.info(
+            "--fuse auto: base step %.2f ms; %s; merge %.3g ms/MB + %.3g ms/MB per rank; unfused buckets %s",
+            costs.step_ms[0],
+            ", ".join(f"bucket {b} step {ms:.2f} ms" for b, ms in sorted(costs.step_ms.items()) if b),
+            costs.merge_ms_per_byte * 2**20, costs.merge_ms_per_byte_rank * 2**20,
+            ",".join(map(str, sorted(unfused_buckets))) or "none",
+        )  # fmt: skip
+    return WarmedUp(costs, unfused_buckets, compiled.graphs_compiled)
 
 
-def _larger_buckets(costs: FuseCosts, smallest: int, full_merges: dict[int, float]) -> tuple[int, ...]:
-    saving = costs.saving_ms_per_step(smallest, costs.measured_pixels) or 0.0
-    return buckets_auto_may_choose(tuple(sorted(full_merges)), saving, full_merges)
+def _measure_fuse_costs(
+    meter: FuseCostMeter, warmed: tuple[int, ...], compiled: CompiledDenoiser, warm: Callable[[int], None]
+) -> FuseCosts:
+    """auto's figures, timed on the buckets warmed up by now; then the larger buckets it could still choose are
+    warmed up (compiled) and timed too."""
+    slot = meter.residency.slot
+    costs = meter.fuse_costs(measured_graphs(warmed, slot.graph_buckets, compiled.compiled))
+    if compiled.compiled:
+        all_bytes = meter.residency.fused_weights.all_weight_bytes
+        for bucket in larger_buckets_to_compile(costs, slot.rank_buckets, all_bytes):
+            warm(bucket)
+            costs.step_ms[bucket] = meter.step_ms(bucket)
+    return costs
 
 
-def _run_at(runtime: DiffusionRuntime, bucket: int, requests: list, stop: StartupStop) -> None:
-    with runtime.slot.computing_at(bucket):
+def _run_at(
+    loaded: LoadedModel,
+    runner: PipelineRunner,
+    residency: AdapterResidency,
+    bucket: int,
+    *,
+    requests: list[GenerationRequest],
+    stop: StartupStop,
+) -> None:
+    """Run the warm-up requests with the base model resident, computing at `bucket` (compiling its graphs)."""
+    with residency.computing_at(bucket):
         for request in requests:
             stop.check()
             try:
-                runtime.generate(
-                    runtime.request_rules.resolve(request), (), on_step=lambda progress: None,
-                    is_cancelled=lambda: stop.requested,
-                )  # fmt: skip
+                with runner.session():
+                    runner.run(
+                        loaded.request_rules.resolve(request), on_step=lambda progress: None,
+                        is_cancelled=lambda: stop.requested,
+                    )  # fmt: skip
             except GenerationCancelledError:  # the stop, seen at a step boundary: a pass may take a compile per step
                 stop.check()
                 raise
+    stop.check()
 
 
 # -- what the phases share ------------------------------------------------------------------------------
@@ -360,7 +383,7 @@ def _compile_cache_folder(
         return None
     key = runtime_cache_key(
         model=config.model, layers=config.layers, dtype=loaded.dtype, device=loaded.device,
-        max_rank=config.max_rank, rank_buckets=tuple(installed.slot.graph_buckets),
+        max_rank=config.max_rank, rank_buckets=tuple(installed.residency.slot.graph_buckets),
         target_layers=installed.target_layers, quantize=config.quantize, compile_kind=compiled.kind,
         compile_backend=config.compile_backend, compile_mode=compiled.mode,
     )  # fmt: skip
