@@ -29,8 +29,9 @@ from loraswap.server.engine.types import GenerationRequest
 from tests.support.servers import TEST_TORCH_THREADS
 
 # At this size and step count a kernel's sums split differently at another thread count, and the difference reaches
-# the PNG bytes (test_the_request_is_thread_sensitive); at two steps it rounds away in the 8-bit pixels.
-REQUEST = dict(prompt="a red circle on a blue background", seed=7, width=128, height=128, num_inference_steps=1)
+# the PNG bytes (test_the_request_is_thread_sensitive); at fewer steps it may round away in the 8-bit pixels (one
+# step did on some machines of the CI kind, four did not).
+REQUEST = dict(prompt="a red circle on a blue background", seed=7, width=128, height=128, num_inference_steps=4)
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +98,34 @@ async def test_the_same_request_gives_the_same_bytes_after_anything(default_serv
         assert (await client.generate_image(**REQUEST, adapter="outline")).data == outlined
 
 
+# The thread counts the control tries against one thread, until one gives other bytes.
+OTHER_THREAD_COUNTS = (2, 3, 4, 8)
+
+
 def test_the_request_is_thread_sensitive() -> None:
-    """The check above could fail: at another thread count this request's image differs in its bytes."""
+    """The check above could fail: at another thread count this request's image differs in its bytes.
+
+    Whether it does depends on the machine (how its kernels split their sums at each thread count), so the control
+    tries a few counts, and skips, saying so, where none shows a difference.
+    """
     runtime = start_runtime(EngineConfig(model="shapes", compile="none", warmup=False, torch_threads=1, fuse="never"))
     params = runtime.request_rules.resolve(GenerationRequest(**REQUEST))
-    images = []
+
+    def image(threads: int) -> bytes:
+        torch.set_num_threads(threads)
+        runtime.loaded.threads.threads = threads  # the fixed count each step keeps
+        return runtime.generate(params, (), on_step=lambda _: None, is_cancelled=lambda: False).data
+
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            runtime.threads.threads = threads
-            images.append(runtime.generate(params, (), on_step=lambda _: None, is_cancelled=lambda: False).data)
+        one = image(1)
+        other = next((threads for threads in OTHER_THREAD_COUNTS if image(threads) != one), None)
     finally:
         torch.set_num_threads(TEST_TORCH_THREADS)
-    assert images[0] != images[1]
+    if other is None:
+        pytest.skip(
+            f"on this machine the request gives the same bytes at 1 and at {OTHER_THREAD_COUNTS} torch threads, so "
+            "nothing here shows that the same-bytes test above could fail"
+        )
 
 
 def test_fuse_auto_keeps_each_requests_choice_so_its_bits_stay() -> None:
@@ -122,7 +138,8 @@ def test_fuse_auto_keeps_each_requests_choice_so_its_bits_stay() -> None:
     assert runtime.config.fuse == "auto" and runtime.fuse_costs is not None
     outline = load_canonical(LocalAdapterDirectory(shapes_adapter_dir()).find("outline"), runtime.slot_spec())
     stack = ((outline, 1.0),)
-    params = runtime.request_rules.resolve(GenerationRequest(**REQUEST))
+    # One step: where fused and unfused bits differ in float32 (at four they round to the same pixels).
+    params = runtime.request_rules.resolve(GenerationRequest(**{**REQUEST, "num_inference_steps": 1}))
 
     def image(fused: bool) -> bytes:
         return runtime.generate(params, stack, on_step=lambda _: None, is_cancelled=lambda: False, fused=fused).data
