@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -83,16 +82,6 @@ class ScriptedService(pb_grpc.DiffusionServiceServicer):
 @pytest.fixture
 async def service() -> ScriptedService:
     return ScriptedService()
-
-
-@pytest.fixture
-async def target(service: ScriptedService) -> AsyncIterator[str]:
-    server = grpc.aio.server()
-    pb_grpc.add_DiffusionServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield f"127.0.0.1:{port}"
-    await server.stop(None)
 
 
 def test_the_client_uses_the_published_service_config() -> None:

@@ -207,16 +207,6 @@ async def service() -> FakeDiffusionService:
 
 
 @pytest.fixture
-async def target(service: FakeDiffusionService) -> AsyncIterator[str]:
-    server = grpc.aio.server()
-    pb_grpc.add_DiffusionServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield f"127.0.0.1:{port}"
-    await server.stop(None)
-
-
-@pytest.fixture
 async def client(target: str) -> AsyncIterator[AsyncLoraswapClient]:
     async with AsyncLoraswapClient(target, default_timeout=30.0) as client:
         yield client
@@ -260,16 +250,9 @@ async def test_unset_optional_arguments_stay_unset(client: AsyncLoraswapClient, 
 async def test_zero_valued_optional_arguments_are_sent(
     client: AsyncLoraswapClient, service: FakeDiffusionService
 ) -> None:
+    # Every optional field at its zero value: sent, not taken for unset.
     await client.generate_image(
-        "a lighthouse",
-        adapter_scale=0.0,
-        num_inference_steps=0,
-        guidance_scale=0.0,
-        width=0,
-        height=0,
-        seed=0,
-        negative_prompt="fog",
-        image_format="webp",
+        "a lighthouse", negative_prompt="fog", image_format="webp", **dict.fromkeys(OPTIONAL_GENERATE_FIELDS, 0)
     )
 
     request = service.generate_requests[-1]
@@ -379,9 +362,11 @@ async def test_closing_the_stream_cancels_the_rpc_at_once(
     async with contextlib.aclosing(events):
         assert isinstance(await anext(events), Progress)
 
-    # Still referenced, so only aclose() can have cancelled the call.
+    # `events` is still referenced (it is read below), so only aclose() can have cancelled the call.
     await asyncio.wait_for(service.generate_cancelled.wait(), EVENT_WAIT_S)
-    assert events is not None
+    with pytest.raises(StopAsyncIteration):  # and the closed stream gives nothing more
+        await anext(events)
+    assert len(service.generate_requests) == 1
 
 
 async def test_cancelling_the_consuming_task_cancels_the_rpc(

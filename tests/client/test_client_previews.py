@@ -17,12 +17,9 @@ import pytest
 from loraswap.client import AsyncLoraswapClient, InvalidRequest, LoraswapClient, Progress
 from loraswap.client.aio import build_generate_request
 from loraswap.v1 import diffusion_service_pb2 as pb
-from tests.client import test_client_fake_server
 from tests.client.test_client_fake_server import FakeDiffusionService, image_for, parse_cli
 
 STEPS = 5
-# The fake server's fixture, serving this module's `service` (the previewing one) on a real port.
-target = test_client_fake_server.target
 
 
 def preview_bytes(step: int) -> bytes:

@@ -6,9 +6,6 @@ it keeps each call's metadata and answers the smallest valid response.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import grpc
 import pytest
 
 from loraswap.client import AsyncLoraswapClient
@@ -41,18 +38,11 @@ class RecordingService(pb_grpc.DiffusionServiceServicer):
 
 
 @pytest.fixture
-async def recorded() -> AsyncIterator[tuple[str, RecordingService]]:
-    service = RecordingService()
-    server = grpc.aio.server()
-    pb_grpc.add_DiffusionServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield f"127.0.0.1:{port}", service
-    await server.stop(None)
+async def service() -> RecordingService:
+    return RecordingService()
 
 
-async def test_every_call_naming_an_adapter_sends_lora(recorded) -> None:
-    target, service = recorded
+async def test_every_call_naming_an_adapter_sends_lora(target: str, service: RecordingService) -> None:
     async with AsyncLoraswapClient(target, default_timeout=10, token="t" * 20) as client:
         await client.generate_image("p", adapter="ink")
         await client.generate_image("p", adapters=[("ink", 0.8), ("paper", 0.5)])

@@ -4,32 +4,35 @@ from __future__ import annotations
 
 import pytest_asyncio
 
-from loraswap.client import AsyncLoraswapClient
-from loraswap.server.app import start_server
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, serving
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def flux_server(flux_adapter_dir):
-    running = await start_server(server_settings("tiny-flux", flux_adapter_dir))
-    yield running
-    await running.stop(1.0)
+    async with serving("tiny-flux", flux_adapter_dir) as running:
+        yield running
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def sdxl_server(sdxl_adapter_dir):
-    running = await start_server(server_settings("tiny-sdxl", sdxl_adapter_dir))
-    yield running
-    await running.stop(1.0)
+    async with serving("tiny-sdxl", sdxl_adapter_dir) as running:
+        yield running
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def flux_client(flux_server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{flux_server.port}", default_timeout=120) as client:
+    async with client_of(flux_server) as client:
         yield client
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def sdxl_client(sdxl_server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{sdxl_server.port}", default_timeout=120) as client:
+    async with client_of(sdxl_server) as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def client(server):
+    """A client to the module's own `server` fixture (a server started with what that module tests)."""
+    async with client_of(server) as client:
         yield client

@@ -7,7 +7,6 @@ formatters `loraswap serve` uses render them, as text and as JSON, for the asser
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -21,32 +20,19 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from loraswap.client import AsyncLoraswapClient, LoraswapClient
-from loraswap.server.app import start_server
+from loraswap.client import LoraswapClient
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
 from loraswap.server.observability.log_format import formatter_for
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 from tests.support.engines import ScriptedEngine, one_step
-from tests.support.servers import TEST_TORCH_THREADS, server_settings
+from tests.support.logs import keeping_records
+from tests.support.servers import TEST_TORCH_THREADS, address_of, client_of, server_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPT = "a secret green triangle on a yellow background"
 TIMING_FIELDS = ("queue_ms", "load_ms", "swap_ms", "denoise_ms", "decode_ms")
-
-
-class KeptRecords(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def access(self, request_id: str) -> logging.LogRecord:
-        (record,) = [r for r in self.records if r.name == "loraswap.access" and r.request_id == request_id]
-        return record
 
 
 def as_json(record: logging.LogRecord) -> dict:
@@ -67,29 +53,18 @@ def as_text(record: logging.LogRecord) -> dict:
 
 @pytest.fixture(scope="module")
 def kept():
-    handler = KeptRecords()
-    logger = logging.getLogger("loraswap")
-    previous_level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(previous_level)
+    with keeping_records("loraswap", {"loraswap": logging.INFO}, logging.INFO) as handler:
+        yield handler
 
 
 def shapes_settings(**changes):
-    settings = server_settings("shapes", shapes_adapter_dir(), compile=False)
-    return dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, max_rank=32), **changes)
+    return server_settings("shapes", shapes_adapter_dir(), compile=False, max_rank=32, **changes)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stub(kept):
-    running = await start_server(shapes_settings())
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            yield pb_grpc.DiffusionServiceStub(channel)
-    finally:
-        await running.stop(1.0)
+    async with serving(shapes_settings()) as running, grpc.aio.insecure_channel(address_of(running)) as channel:
+        yield pb_grpc.DiffusionServiceStub(channel)
 
 
 def request_id_of(trailing_metadata) -> str:
@@ -163,15 +138,6 @@ async def test_a_sent_request_id_round_trips_on_success_and_on_refusal(stub, kep
     assert as_json(kept.access(generated))["method"] == "GetServerInfo"
 
 
-async def logged_soon(kept: KeptRecords, request_id: str) -> logging.LogRecord:
-    """The access record of a call the client gave up on: its handler ends on the server a moment later."""
-    for _ in range(200):
-        if any(r.name == "loraswap.access" and r.request_id == request_id for r in kept.records):
-            return kept.access(request_id)
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no access line for {request_id}")
-
-
 async def test_cancelled_and_timed_out_calls_are_logged_as_such(stub, kept):
     request = pb.GenerateRequest(prompt=PROMPT, num_inference_steps=200, seed=5)
     call = stub.Generate(request, metadata=(("x-request-id", "gave-up"),), timeout=120)
@@ -183,8 +149,8 @@ async def test_cancelled_and_timed_out_calls_are_logged_as_such(stub, kept):
         async for _ in stub.Generate(request, metadata=(("x-request-id", "too-late"),), timeout=0.5):
             pass
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert as_json(await logged_soon(kept, "gave-up"))["code"] == "CANCELLED"
-    assert as_json(await logged_soon(kept, "too-late"))["code"] == "DEADLINE_EXCEEDED"
+    assert as_json(await kept.logged_soon("gave-up"))["code"] == "CANCELLED"
+    assert as_json(await kept.logged_soon("too-late"))["code"] == "DEADLINE_EXCEEDED"
 
 
 async def test_an_unusable_request_id_is_replaced(stub, kept):
@@ -204,17 +170,14 @@ async def test_start_up_logs_each_phase_with_its_duration(stub, kept):
 async def test_prompts_are_logged_only_with_log_prompts(kept, tmp_path):
     token = "0123456789abcdef0123456789abcdef"
     (tmp_path / "tokens").write_text(f"generate {token}\n")
-    settings = dataclasses.replace(shapes_settings(log_prompts=True), auth_token_file=tmp_path / "tokens")
-    running = await start_server(settings, engine=ScriptedEngine(one_step))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", token=token) as client:
+    settings = shapes_settings(log_prompts=True, auth_token_file=tmp_path / "tokens")
+    async with serving(settings, engine=ScriptedEngine(one_step)) as running:
+        async with client_of(running, token=token) as client:
             await client.generate_image(PROMPT, seed=1)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        async with grpc.aio.insecure_channel(address_of(running)) as channel:
             call = pb_grpc.DiffusionServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call
-    finally:
-        await running.stop(1.0)
     logged = [as_json(r) for r in kept.records if r.name == "loraswap.access"]
     assert [fields["method"] for fields in logged if fields.get("prompt") == PROMPT] == ["Generate"]
     # A call the token check refuses (before any handler) is logged, with its request id returned.

@@ -11,14 +11,13 @@ import pytest_asyncio
 import torch
 from safetensors.torch import save_file
 
-from loraswap.client import AsyncLoraswapClient, LoraswapError, Progress
-from loraswap.server.app import start_server
+from loraswap.client import LoraswapError, Progress
 from loraswap.server.devtools.random_adapter import write_random_adapter
 from loraswap.server.engine.models import builtin_model
 from tests.support.images import assert_images_close, decode
 from tests.support.kohya_files import FLUX_SINGLE, flux_double, kohya_file
 from tests.support.reference import DiffusersReference
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -76,18 +75,11 @@ def _write_with_text_encoder(pipe, directory):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def store_server(store_dir):
+async def server(store_dir):
     # --fuse never: the unfused slot's refusals (under auto a rank-32 adapter is served fused, test_fused_adapters).
-    settings = server_settings("tiny-flux", store_dir, max_adapter_bytes=MAX_ADAPTER_BYTES, fuse="never")
-    running = await start_server(settings)
-    yield running
-    await running.stop(1.0)
+    async with serving("tiny-flux", store_dir, max_adapter_bytes=MAX_ADAPTER_BYTES, fuse="never") as running:
+        yield running
 
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def client(store_server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{store_server.port}", default_timeout=120) as client:
-        yield client
 
 
 REFUSALS = [
@@ -172,35 +164,32 @@ async def test_evicting_an_adapter_in_use_lets_its_generation_finish(client):
 
 
 async def test_lru_eviction_under_a_small_budget(store_dir):
-    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, adapter_cache_bytes=1))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
-            with pytest.raises(LoraswapError) as caught:
-                await client.preload_adapter(GOOD)
-            assert caught.value.reason == "ADAPTER_TOO_LARGE"
-    finally:
-        await running.stop(1.0)
-    good_bytes = None
-    running = await start_server(server_settings("tiny-flux", store_dir, compile=False))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
-            good_bytes = (await client.preload_adapter(GOOD)).adapter.size_bytes
-            other_bytes = (await client.preload_adapter("other")).adapter.size_bytes
-    finally:
-        await running.stop(1.0)
-    budget = good_bytes + other_bytes + 1
-    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, adapter_cache_bytes=budget))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
+    async with (
+        serving("tiny-flux", store_dir, compile=False, adapter_cache_bytes=1) as running,
+        client_of(running, default_timeout=60) as client,
+    ):
+        with pytest.raises(LoraswapError) as caught:
             await client.preload_adapter(GOOD)
-            await client.preload_adapter("other")
-            await client.generate_image("x", adapter=GOOD, seed=1, num_inference_steps=1)  # GOOD is now newest
-            await client.preload_adapter("third")  # over budget: the least recently used goes
-            cached = [adapter.id for adapter in (await client.list_adapters()).adapters]
-            assert cached == ["third", GOOD]
-            assert (await client.list_adapters()).cache_bytes <= budget
-    finally:
-        await running.stop(1.0)
+        assert caught.value.reason == "ADAPTER_TOO_LARGE"
+    good_bytes = None
+    async with (
+        serving("tiny-flux", store_dir, compile=False) as running,
+        client_of(running, default_timeout=60) as client,
+    ):
+        good_bytes = (await client.preload_adapter(GOOD)).adapter.size_bytes
+        other_bytes = (await client.preload_adapter("other")).adapter.size_bytes
+    budget = good_bytes + other_bytes + 1
+    async with (
+        serving("tiny-flux", store_dir, compile=False, adapter_cache_bytes=budget) as running,
+        client_of(running, default_timeout=60) as client,
+    ):
+        await client.preload_adapter(GOOD)
+        await client.preload_adapter("other")
+        await client.generate_image("x", adapter=GOOD, seed=1, num_inference_steps=1)  # GOOD is now newest
+        await client.preload_adapter("third")  # over budget: the least recently used goes
+        cached = [adapter.id for adapter in (await client.list_adapters()).adapters]
+        assert cached == ["third", GOOD]
+        assert (await client.list_adapters()).cache_bytes <= budget
 
 
 async def test_hub_ids_are_served_from_a_local_hub_cache_offline(store_dir, tmp_path, monkeypatch):
@@ -223,20 +212,19 @@ async def test_hub_ids_are_served_from_a_local_hub_cache_offline(store_dir, tmp_
         snapshot.mkdir(parents=True)
         shutil.copy(store_dir / adapter / "pytorch_lora_weights.safetensors", snapshot)
 
-    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, allow_hub=True))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
-            for hub_name, local_name in (("owner/name", GOOD), ("hf:owner/name@v1", "other")):
-                from_hub = await client.generate_image("a hill", adapter=hub_name, seed=1, num_inference_steps=2)
-                local = await client.generate_image("a hill", adapter=local_name, seed=1, num_inference_steps=2)
-                assert from_hub.data == local.data and from_hub.adapter == hub_name
-            sources = {adapter.id: adapter.source for adapter in (await client.list_adapters()).adapters}
-            assert sources["owner/name"] == "hf://owner/name@main/pytorch_lora_weights.safetensors"
-            with pytest.raises(LoraswapError) as caught:
-                await client.preload_adapter("owner/not-cached")
-            assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
-    finally:
-        await running.stop(1.0)
+    async with (
+        serving("tiny-flux", store_dir, compile=False, allow_hub=True) as running,
+        client_of(running, default_timeout=60) as client,
+    ):
+        for hub_name, local_name in (("owner/name", GOOD), ("hf:owner/name@v1", "other")):
+            from_hub = await client.generate_image("a hill", adapter=hub_name, seed=1, num_inference_steps=2)
+            local = await client.generate_image("a hill", adapter=local_name, seed=1, num_inference_steps=2)
+            assert from_hub.data == local.data and from_hub.adapter == hub_name
+        sources = {adapter.id: adapter.source for adapter in (await client.list_adapters()).adapters}
+        assert sources["owner/name"] == "hf://owner/name@main/pytorch_lora_weights.safetensors"
+        with pytest.raises(LoraswapError) as caught:
+            await client.preload_adapter("owner/not-cached")
+        assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.NOT_FOUND, "ADAPTER_NOT_FOUND")
 
 
 async def test_kohya_sdxl_file_matches_diffusers_own_loading(tmp_path, exported_models):
@@ -246,14 +234,13 @@ async def test_kohya_sdxl_file_matches_diffusers_own_loading(tmp_path, exported_
     (tmp_path / "kohya-sdxl").mkdir()
     kohya_file(tmp_path / "kohya-sdxl" / "pytorch_lora_weights.safetensors", modules, rank=4, alphas=alphas, seed=9)
     reference = DiffusersReference(exported_models["tiny-sdxl"], "sdxl", tmp_path)
-    running = await start_server(server_settings("tiny-sdxl", tmp_path, compile=False))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
-            info = await client.server_info()
-            image = await client.generate_image("a kite", adapter="kohya-sdxl", seed=3, num_inference_steps=3)
-            base = await client.generate_image("a kite", seed=3, num_inference_steps=3)
-    finally:
-        await running.stop(1.0)
+    async with (
+        serving("tiny-sdxl", tmp_path, compile=False) as running,
+        client_of(running, default_timeout=60) as client,
+    ):
+        info = await client.server_info()
+        image = await client.generate_image("a kite", adapter="kohya-sdxl", seed=3, num_inference_steps=3)
+        base = await client.generate_image("a kite", seed=3, num_inference_steps=3)
     expected = reference.image("kohya-sdxl", 1.0, prompt="a kite", seed=3, steps=3, guidance=info.default_guidance_scale)
     assert_images_close(decode(image.data), expected)
     assert abs(decode(base.data) - decode(image.data)).max() > 8
@@ -292,20 +279,19 @@ async def test_text_encoder_layers_are_dropped_with_a_warning_in_preload_and_ima
 
 
 async def test_strict_adapters_refuse_text_encoder_layers(store_dir):
-    running = await start_server(server_settings("tiny-flux", store_dir, compile=False, strict_adapters=True))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=60) as client:
-            with pytest.raises(LoraswapError) as caught:
-                await client.generate_image("a bridge", adapter="with-text-encoder", seed=1, num_inference_steps=2)
-            assert (caught.value.code, caught.value.reason) == (
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "ADAPTER_TEXT_ENCODER_LAYERS",
+    async with (
+        serving("tiny-flux", store_dir, compile=False, strict_adapters=True) as running,
+        client_of(running, default_timeout=60) as client,
+    ):
+        with pytest.raises(LoraswapError) as caught:
+            await client.generate_image("a bridge", adapter="with-text-encoder", seed=1, num_inference_steps=2)
+        assert (caught.value.code, caught.value.reason) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "ADAPTER_TEXT_ENCODER_LAYERS",
+        )
+        assert "--strict-adapters" in caught.value.message
+        with pytest.raises(LoraswapError) as caught:  # as a member of a stack too
+            await client.generate_image(
+                "a bridge", adapters=[GOOD, "with-text-encoder"], seed=1, num_inference_steps=2
             )
-            assert "--strict-adapters" in caught.value.message
-            with pytest.raises(LoraswapError) as caught:  # as a member of a stack too
-                await client.generate_image(
-                    "a bridge", adapters=[GOOD, "with-text-encoder"], seed=1, num_inference_steps=2
-                )
-            assert caught.value.reason == "ADAPTER_TEXT_ENCODER_LAYERS"
-    finally:
-        await running.stop(1.0)
+        assert caught.value.reason == "ADAPTER_TEXT_ENCODER_LAYERS"

@@ -23,13 +23,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load, save
 
 from loraswap.client import error_from_rpc
-from loraswap.server.app import start_server
 from loraswap.server.devtools.random_adapter import write_random_adapter
 from loraswap.server.engine.errors import ErrorReason
 from loraswap.server.engine.models import builtin_model
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
-from tests.support.servers import server_settings
+from tests.support.servers import address_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -156,13 +155,11 @@ def adapter_dir(tmp_path_factory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stub(adapter_dir):
-    running = await start_server(
-        server_settings("tiny-flux", adapter_dir, compile=False, max_size=MAX_SIZE, max_adapter_bytes=1_000_000)
-    )
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    yield pb_grpc.DiffusionServiceStub(channel)
-    await channel.close()
-    await running.stop(1.0)
+    async with (
+        serving("tiny-flux", adapter_dir, compile=False, max_size=MAX_SIZE, max_adapter_bytes=1_000_000) as running,
+        grpc.aio.insecure_channel(address_of(running)) as channel,
+    ):
+        yield pb_grpc.DiffusionServiceStub(channel)
 
 
 @dataclass(frozen=True)

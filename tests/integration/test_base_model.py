@@ -9,6 +9,8 @@ server started with --allow-base for SDXL accepts them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -19,10 +21,9 @@ from grpc_status import rpc_status
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from loraswap.server.app import start_server
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
-from tests.support.servers import server_settings
+from tests.support.servers import address_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -79,25 +80,26 @@ def declaring_adapters(tmp_path_factory, flux_adapter_dir) -> Path:
     return root
 
 
-async def _start(adapter_dir: Path, **engine):
+@contextlib.asynccontextmanager
+async def _stub(adapter_dir: Path, **engine) -> AsyncIterator[pb_grpc.DiffusionServiceStub]:
     # No compile and no warm-up: these tests are about which adapters get in, not about speed.
-    return await start_server(server_settings("tiny-flux", adapter_dir, compile=False, warmup=False, **engine))
+    async with (
+        serving("tiny-flux", adapter_dir, compile=False, warmup=False, **engine) as running,
+        grpc.aio.insecure_channel(address_of(running)) as channel,
+    ):
+        yield pb_grpc.DiffusionServiceStub(channel)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stub(declaring_adapters):
-    running = await _start(declaring_adapters)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-        yield pb_grpc.DiffusionServiceStub(channel)
-    await running.stop(1.0)
+    async with _stub(declaring_adapters) as stub:
+        yield stub
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def allowing_stub(declaring_adapters):
-    running = await _start(declaring_adapters, allow_base=("sdxl_base_v1-0",))
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-        yield pb_grpc.DiffusionServiceStub(channel)
-    await running.stop(1.0)
+    async with _stub(declaring_adapters, allow_base=("sdxl_base_v1-0",)) as stub:
+        yield stub
 
 
 def _request(**fields) -> pb.GenerateRequest:

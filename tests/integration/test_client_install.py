@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from loraswap.server.app import start_server
 from tests.support.images import decode
-from tests.support.servers import server_settings
+from tests.support.servers import address_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -85,9 +84,8 @@ def client_env(tmp_path_factory) -> dict:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def shapes_server():
-    running = await start_server(server_settings("shapes", None, compile=False))
-    yield running
-    await running.stop(1.0)
+    async with serving("shapes", None, compile=False) as running:
+        yield running
 
 
 def test_the_floor_versions_are_what_got_installed(client_env) -> None:
@@ -105,7 +103,7 @@ async def test_generate_writes_the_served_image(client_env, shapes_server, tmp_p
     out = tmp_path / "out.png"
     process = await asyncio.create_subprocess_exec(
         str(client_env["bin"] / "loraswap"), "generate", "a red circle on a blue background",
-        "--adapter", "outline", "--seed", "7", "--server", f"127.0.0.1:{shapes_server.port}", "-o", str(out), "-q",
+        "--adapter", "outline", "--seed", "7", "--server", address_of(shapes_server), "-o", str(out), "-q",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, stderr = await asyncio.wait_for(process.communicate(), timeout=300)

@@ -14,12 +14,11 @@ import pytest
 import pytest_asyncio
 
 from loraswap.client import AsyncLoraswapClient, GeneratedImage, LoraswapError, Progress, Queued
-from loraswap.server.app import start_server
 from loraswap.server.engine.adapters.sources import AdapterFile, AdapterSources, HubAdapterSource, LocalAdapterDirectory
 from loraswap.server.engine.diffusion_engine import DiffusionEngine
 from loraswap.server.engine.errors import StartupError
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, server_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -59,14 +58,13 @@ def slow_dir() -> SlowAdapterDirectory:
 async def server(slow_dir):
     settings = server_settings("shapes", shapes_adapter_dir(), compile=False, pin=("outline",), preload=("purple",))
     engine = _engine(slow_dir, pin=("outline",), preload=("purple",))
-    running = await start_server(settings, engine=engine)
-    yield running
-    await running.stop(1.0)
+    async with serving(settings, engine=engine) as running:
+        yield running
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def client(server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{server.port}", default_timeout=120) as client:
+    async with client_of(server) as client:
         await client.server_info()  # the channel is connected before anything is timed
         yield client
 

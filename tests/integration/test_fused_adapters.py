@@ -12,17 +12,15 @@ import pytest
 import pytest_asyncio
 import torch
 
-from loraswap.client import AsyncLoraswapClient, LoraswapError
-from loraswap.server.app import start_server
-from loraswap.server.devtools.random_adapter import write_random_adapter
+from loraswap.client import LoraswapError
 from loraswap.server.engine.adapters.canonical import load_canonical
 from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.startup import start_runtime
 from loraswap.server.engine.types import GenerationRequest
+from tests.support.adapters import write_random_adapters
 from tests.support.images import MIN_ADAPTER_EFFECT, assert_images_close, decode
-from tests.support.servers import TEST_TORCH_THREADS, server_settings
+from tests.support.servers import TEST_TORCH_THREADS, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -42,11 +40,7 @@ ADAPTERS = {
 
 @pytest.fixture(scope="module")
 def fused_adapter_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fused-adapters")
-    pipe = builtin_model("tiny-flux").build()
-    for name, spec in ADAPTERS.items():
-        write_random_adapter(pipe, root / name, init_std=0.5, **spec)
-    return root
+    return write_random_adapters("tiny-flux", tmp_path_factory.mktemp("fused-adapters"), ADAPTERS, init_std=0.5)
 
 
 class FusedReference:
@@ -83,16 +77,9 @@ def fused_reference(exported_models, fused_adapter_dir):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def always_server(fused_adapter_dir):
-    running = await start_server(server_settings("tiny-flux", fused_adapter_dir, fuse="always"))
-    yield running
-    await running.stop(1.0)
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def client(always_server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{always_server.port}", default_timeout=120) as client:
-        yield client
+async def server(fused_adapter_dir):
+    async with serving("tiny-flux", fused_adapter_dir, fuse="always") as running:
+        yield running
 
 
 async def image_of(client, members: list[tuple[str, float]]):
@@ -174,7 +161,7 @@ def test_fused_and_unfused_swaps_in_any_order_compile_nothing_and_keep_every_add
     params = runtime.request_rules.resolve(GenerationRequest(prompt=PROMPT, seed=SEED, num_inference_steps=2))
     addresses = {
         name: (layer.weight.data_ptr(), layer.bias.data_ptr() if layer.bias is not None else None)
-        for name, layer in runtime.slot.base_layers().items()
+        for name, layer in runtime.residency.slot.base_layers().items()
     }
 
     def image(stack, fused):
@@ -193,6 +180,6 @@ def test_fused_and_unfused_swaps_in_any_order_compile_nothing_and_keep_every_add
     assert runtime.recompilations == 0
     after = {
         name: (layer.weight.data_ptr(), layer.bias.data_ptr() if layer.bias is not None else None)
-        for name, layer in runtime.slot.base_layers().items()
+        for name, layer in runtime.residency.slot.base_layers().items()
     }
     assert after == addresses

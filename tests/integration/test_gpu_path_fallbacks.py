@@ -15,10 +15,9 @@ import sys
 import grpc
 import pytest
 
-from loraswap.server.app import start_server
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
-from tests.support.servers import server_settings
+from tests.support.servers import address_of, server_settings, serving
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -27,21 +26,17 @@ async def test_cpu_server_accepts_gpu_options_and_reports_them_inactive(flux_ada
         "tiny-flux", flux_adapter_dir, compile=False, device="cpu", attention="flash", device_adapter_bytes=1 << 30
     )
     with caplog.at_level(logging.INFO, logger="loraswap.server.engine"):
-        running = await start_server(settings)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        async with serving(settings) as running, grpc.aio.insecure_channel(address_of(running)) as channel:
             stub = pb_grpc.DiffusionServiceStub(channel)
             info = await stub.GetServerInfo(pb.GetServerInfoRequest())
             request = pb.GenerateRequest(prompt="a lighthouse", adapter="r4-attn", seed=1, num_inference_steps=2)
             events = [event async for event in stub.Generate(request)]
             after = await stub.GetServerInfo(pb.GetServerInfoRequest())
-    finally:
-        await running.stop(1.0)
     assert (info.device, info.attention_backend) == ("cpu", "native")
     assert info.pinned_adapter_memory is False and info.device_adapter_bytes == 0
     assert events[-1].WhichOneof("event") == "image" and events[-1].image.adapter == "r4-attn"
     assert after.resident_adapter == "r4-attn"
-    assert running.engine._runtime.slot.device_cache is None  # no hot set: copies come from the host
+    assert running.engine.runtime.residency.device_cache is None  # no hot set: copies come from the host
     messages = [record.getMessage() for record in caplog.records]
     assert "--attention flash needs CUDA; cpu runs the native backend (torch SDPA)" in messages
     assert any(

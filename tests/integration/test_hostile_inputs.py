@@ -28,10 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save, save_file
 
 from loraswap.client import AsyncLoraswapClient, LoraswapError
-from loraswap.server.app import start_server
 from loraswap.server.devtools.random_adapter import write_random_adapter
 from loraswap.server.engine.models import builtin_model
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -260,22 +259,15 @@ def hostile_dir(tmp_path_factory) -> Path:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def hostile_server(hostile_dir):
-    running = await start_server(server_settings("tiny-flux", hostile_dir))
-    yield running
-    await running.stop(1.0)
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def client(hostile_server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{hostile_server.port}", default_timeout=120) as client:
-        yield client
+async def server(hostile_dir):
+    async with serving("tiny-flux", hostile_dir) as running:
+        yield running
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def images_before(hostile_server) -> tuple[bytes, bytes]:
+async def images_before(server) -> tuple[bytes, bytes]:
     """The base model's and the good adapter's images, taken before any case ran."""
-    async with AsyncLoraswapClient(f"127.0.0.1:{hostile_server.port}", default_timeout=120) as client:
+    async with client_of(server) as client:
         base = await client.generate_image(**BASE)
         good = await client.generate_image(**BASE, adapter=GOOD)
     assert base.data != good.data
@@ -293,7 +285,7 @@ def _assert_well_formed(error: LoraswapError, adapter_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-async def test_hostile_input(client, hostile_server, hostile_dir, images_before, case: HostileCase):
+async def test_hostile_input(client, server, hostile_dir, images_before, case: HostileCase):
     target = Target(client=client, adapter_dir=hostile_dir)
     if case.code is None:
         await asyncio.wait_for(case.attempt(target), CASE_TIMEOUT_S)
@@ -316,9 +308,9 @@ async def test_the_catalogue_names_each_case_once():
     assert len(names) == len(set(names))
 
 
-async def test_a_slow_adapter_load_does_not_hold_up_another(client, hostile_server, monkeypatch):
+async def test_a_slow_adapter_load_does_not_hold_up_another(client, server, monkeypatch):
     """One adapter's source hangs (a slow disk or Hub); another adapter still loads at once."""
-    sources = hostile_server.engine._sources
+    sources = server.engine.sources
     resolve = sources.resolve
     entered, release = threading.Event(), threading.Event()
 

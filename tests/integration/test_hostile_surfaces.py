@@ -26,9 +26,6 @@ import pytest
 import pytest_asyncio
 from google.rpc import error_details_pb2, status_pb2
 
-from loraswap.server.app import start_server
-from loraswap.server.config import Settings
-from loraswap.server.engine.config import EngineConfig
 from loraswap.server.observability.calls import RPC_METHODS, UNKNOWN_METHOD
 from loraswap.server.observability.log_format import formatter_for
 from loraswap.server.observability.metrics import REQUEST_BUCKETS
@@ -36,6 +33,8 @@ from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 from tests.integration.test_metrics import key, scrape
 from tests.support.engines import ScriptedEngine, one_step
+from tests.support.logs import LOGGED_WITHIN_S, KeptRecords, keeping_records
+from tests.support.servers import address_of, scripted_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -44,54 +43,22 @@ ADMIN_TOKEN = "admin-token-0123456789ab"
 SERVICE_PATH = "/loraswap.v1.DiffusionService"
 METRICS_LOGGER = "loraswap.server.observability.metrics"
 GRPC_LOGGER = "grpc._cython.cygrpc"
-# How long the server may take to log what a connection it handles on another thread did.
-LOGGED_WITHIN_S = 10.0
-
-
-class KeptRecords(logging.Handler):
-    """Every record that reaches the root logger, gRPC's own included."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def since(self, start: int) -> list[logging.LogRecord]:
-        return self.records[start:]
-
-    def access(self, request_id: str) -> logging.LogRecord:
-        (record,) = [r for r in self.records if r.name == "loraswap.access" and r.request_id == request_id]
-        return record
 
 
 @pytest.fixture(scope="module")
 def kept() -> Iterator[KeptRecords]:
-    handler = KeptRecords()
-    root, ours, grpcs = logging.getLogger(), logging.getLogger("loraswap"), logging.getLogger("grpc")
-    levels = ours.level, grpcs.level
-    # Everything, gRPC's debug lines too: a token must reach no log at any level.
-    ours.setLevel(logging.INFO)
-    grpcs.setLevel(logging.DEBUG)
-    root.addHandler(handler)
-    yield handler
-    root.removeHandler(handler)
-    ours.setLevel(levels[0])
-    grpcs.setLevel(levels[1])
+    """Every record that reaches the root logger, gRPC's debug lines too: a token must reach no log at any level."""
+    with keeping_records("", {"loraswap": logging.INFO, "grpc": logging.DEBUG}) as handler:
+        yield handler
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def served(kept, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("tokens") / "tokens"
     token_file.write_text(f"generate {GENERATE_TOKEN}\nadmin {ADMIN_TOKEN}\n")
-    settings = Settings(
-        engine=EngineConfig(model="scripted"), host="127.0.0.1", port=0, auth_token_file=token_file, metrics_port=0,
-        log_prompts=True,
-    )  # fmt: skip
-    running = await start_server(settings, engine=ScriptedEngine(one_step))
-    yield running
-    await running.stop(1.0)
+    settings = scripted_settings(auth_token_file=token_file, metrics_port=0, log_prompts=True)
+    async with serving(settings, engine=ScriptedEngine(one_step)) as running:
+        yield running
 
 
 def as_text(record: logging.LogRecord) -> str:
@@ -108,16 +75,6 @@ def text_fields(line: str) -> dict[str, str]:
         name: json.loads(value) if value.startswith('"') else value
         for name, value in re.findall(r' (\w+)=("(?:[^"\\]|\\.)*"|\S+)', line)
     }
-
-
-async def logged_soon(kept: KeptRecords, request_id: str) -> logging.LogRecord:
-    """The access record of a call: its handler may end on the server a moment after the client's status."""
-    deadline = time.monotonic() + LOGGED_WITHIN_S
-    while time.monotonic() < deadline:
-        if any(r.name == "loraswap.access" and getattr(r, "request_id", None) == request_id for r in kept.records):
-            return kept.access(request_id)
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"no access line for {request_id}")
 
 
 # -- a raw HTTP/2 client ---------------------------------------------------------------------------------------
@@ -188,7 +145,7 @@ async def test_an_authorization_value_with_non_ascii_bytes_is_unauthenticated_lo
         [(b"authorization", value), (b"x-request-id", request_id.encode())],
     )  # fmt: skip
     assert status_of(answer) == (grpc.StatusCode.UNAUTHENTICATED, "TOKEN_INVALID")
-    fields = json.loads(as_json(await logged_soon(kept, request_id)))
+    fields = json.loads(as_json(await kept.logged_soon(request_id)))
     assert (fields["method"], fields["code"], fields["reason"]) == ("GetServerInfo", "UNAUTHENTICATED", "TOKEN_INVALID")
     after = await scrape(served.metrics_port)
     refused = key("loraswap_requests_total", method="GetServerInfo", code="UNAUTHENTICATED")
@@ -239,7 +196,7 @@ MADE_UP_METHODS = 100
 async def test_made_up_method_names_count_under_one_method_label(served, kept) -> None:
     before = await scrape(served.metrics_port)
     start = len(kept.records)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(served)) as channel:
         for number in range(MADE_UP_METHODS):
             call = channel.unary_unary(f"{SERVICE_PATH}/MadeUp{number}")(b"", timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -276,7 +233,7 @@ async def _forged_method_path(served) -> str:
 async def _forged_adapter_name(served) -> str:
     request_id = "forged-adapter-name"
     metadata = (("authorization", f"Bearer {ADMIN_TOKEN}"), ("x-request-id", request_id))
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(served)) as channel:
         with pytest.raises(grpc.aio.AioRpcError):
             await pb_grpc.DiffusionServiceStub(channel).Evict(
                 pb.EvictRequest(adapter=f"x{TERMINAL_ESCAPES}\n{FAKE_LINE}\u2028"), metadata=metadata, timeout=30
@@ -288,7 +245,7 @@ async def _forged_prompt(served) -> str:
     request_id = "forged-prompt"
     metadata = (("authorization", f"Bearer {GENERATE_TOKEN}"), ("x-request-id", request_id))
     request = pb.GenerateRequest(prompt=f"a boat{TERMINAL_ESCAPES}\r\n{FAKE_LINE}", width=32, height=32)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(served)) as channel:
         async for _ in pb_grpc.DiffusionServiceStub(channel).Generate(request, metadata=metadata, timeout=30):
             pass
     return request_id
@@ -310,7 +267,7 @@ async def test_the_text_log_cannot_be_forged(served, kept, forgery) -> None:
     call, field, sent = forgery
     start = len(kept.records)
     request_id = await call(served)
-    access = await logged_soon(kept, request_id)
+    access = await kept.logged_soon(request_id)
     line = as_text(access)
     assert line.isprintable(), line  # one line, nothing a terminal acts on
     assert text_fields(line)[field] == sent  # and the value reads back as it was sent
@@ -378,18 +335,14 @@ async def test_a_scrape_whose_collection_fails_is_answered_500_and_logged_not_pr
     kept, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Not a finding of the probe, the same cause: wsgiref prints a failing app's traceback on stderr."""
-    settings = Settings(engine=EngineConfig(model="scripted"), host="127.0.0.1", port=0, metrics_port=0)
-    running = await start_server(settings, engine=ScriptedEngine(one_step))
 
     def broken_levels():
         raise RuntimeError("the engine's levels are unreadable")
 
-    try:
+    async with serving(scripted_settings(metrics_port=0), engine=ScriptedEngine(one_step)) as running:
         running.observers.metrics.read_levels_from(broken_levels)
         start = len(kept.records)
         status = await asyncio.to_thread(_answer_to, running.metrics_port, b"GET /metrics HTTP/1.0\r\n\r\n")
-    finally:
-        await running.stop(1.0)
     assert status.split(b" ")[1] == b"500"
     assert "Traceback" not in capfd.readouterr().err
     (logged,) = [r for r in kept.since(start) if r.name == METRICS_LOGGER]

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraswap.client import AsyncLoraswapClient
-from loraswap.server.app import start_server
 from tests.support.images import assert_images_close, decode
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -16,29 +14,28 @@ STACK_OF_FOUR = [("r4-attn", 1.0), ("r8-context", 0.6), ("r2-ff-context", -1.0),
 
 
 async def test_inductor_swaps_match_diffusers_without_recompiling(flux_adapter_dir, flux_reference):
-    running = await start_server(server_settings("tiny-flux", flux_adapter_dir, compile_backend="inductor"))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=300) as client:
-            info = await client.server_info()
-            assert info.compiled
-            for adapter, scale in [("r4-attn", 1.0), ("", 1.0), ("r16-mlp", 0.7), ("r8-context", 1.0), ("", 1.0)]:
-                image = await client.generate_image(
-                    "a lighthouse at dusk", adapter=adapter, adapter_scale=scale, seed=11, num_inference_steps=4
-                )
-                expected = flux_reference.image(
-                    adapter, scale, prompt="a lighthouse at dusk", seed=11, steps=4,
-                    guidance=info.default_guidance_scale,
-                )  # fmt: skip
-                assert_images_close(decode(image.data), expected)
-            # Stacks of two and four (other layouts, summed ranks up to the slot's 16) <-> single adapters <-> base.
-            for members in [STACK_OF_TWO, [("r16-mlp", 0.7)], STACK_OF_FOUR, [("r8-context", 1.0)], STACK_OF_TWO, []]:
-                image = await client.generate_image(
-                    "a lighthouse at dusk", adapters=members, seed=11, num_inference_steps=4
-                )
-                expected = flux_reference.stack_image(
-                    members, prompt="a lighthouse at dusk", seed=11, steps=4, guidance=info.default_guidance_scale
-                )
-                assert_images_close(decode(image.data), expected)
-            assert (await client.server_info()).recompilations == 0
-    finally:
-        await running.stop(1.0)
+    async with (
+        serving("tiny-flux", flux_adapter_dir, compile_backend="inductor") as running,
+        client_of(running, default_timeout=300) as client,
+    ):
+        info = await client.server_info()
+        assert info.compiled
+        for adapter, scale in [("r4-attn", 1.0), ("", 1.0), ("r16-mlp", 0.7), ("r8-context", 1.0), ("", 1.0)]:
+            image = await client.generate_image(
+                "a lighthouse at dusk", adapter=adapter, adapter_scale=scale, seed=11, num_inference_steps=4
+            )
+            expected = flux_reference.image(
+                adapter, scale, prompt="a lighthouse at dusk", seed=11, steps=4,
+                guidance=info.default_guidance_scale,
+            )  # fmt: skip
+            assert_images_close(decode(image.data), expected)
+        # Stacks of two and four (other layouts, summed ranks up to the slot's 16) <-> single adapters <-> base.
+        for members in [STACK_OF_TWO, [("r16-mlp", 0.7)], STACK_OF_FOUR, [("r8-context", 1.0)], STACK_OF_TWO, []]:
+            image = await client.generate_image(
+                "a lighthouse at dusk", adapters=members, seed=11, num_inference_steps=4
+            )
+            expected = flux_reference.stack_image(
+                members, prompt="a lighthouse at dusk", seed=11, steps=4, guidance=info.default_guidance_scale
+            )
+            assert_images_close(decode(image.data), expected)
+        assert (await client.server_info()).recompilations == 0

@@ -17,13 +17,11 @@ import pytest
 
 from loraswap.client import AsyncLoraswapClient, GeneratedImage, Progress, Queued, Unavailable
 from loraswap.client.connection import CLIENT_KEEPALIVE_TIME_MS
-from loraswap.server.app import start_server
-from loraswap.server.config import Settings
 from loraswap.server.engine import types as engine_types
-from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.types import GenerationEvent, GenerationRequest, StepProgress
 from loraswap.server.transport.servicer import DiffusionServicer, add_diffusion_service
 from tests.support.engines import ScriptedEngine, finished_image
+from tests.support.servers import client_of, scripted_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -39,31 +37,30 @@ async def waits_in_the_queue(request: GenerationRequest) -> AsyncIterator[Genera
     yield finished_image(b"\x89PNG quiet", request, 64, 64)
 
 
-async def _events(target: str) -> list[object]:
-    async with AsyncLoraswapClient(target, default_timeout=QUIET_S + 60, wait_for_ready=False) as client:
+async def _events(client: AsyncLoraswapClient) -> list[object]:
+    async with client:
         return [event async for event in client.generate("a patient request", seed=1)]
 
 
 async def test_a_quiet_minute_long_stream_is_kept_alive_and_not_refused_for_its_pings() -> None:
     assert 3 * CLIENT_KEEPALIVE_TIME_MS / 1000 < QUIET_S  # the control below depends on three pings
-    running = await start_server(
-        Settings(engine=EngineConfig(model="scripted"), host="127.0.0.1", port=0),
-        engine=ScriptedEngine(waits_in_the_queue),
-    )
-    # The control: the same servicer on a server with gRPC's default options.
-    default_server = grpc.aio.server()
-    add_diffusion_service(DiffusionServicer(ScriptedEngine(waits_in_the_queue)), default_server)
-    default_port = default_server.add_insecure_port("127.0.0.1:0")
-    await default_server.start()
-    try:
-        started = time.monotonic()
-        served, control = await asyncio.gather(
-            _events(f"127.0.0.1:{running.port}"), _events(f"127.0.0.1:{default_port}"), return_exceptions=True
-        )
-        elapsed_s = time.monotonic() - started
-    finally:
-        await default_server.stop(None)
-        await running.stop(1.0)
+    options = dict(default_timeout=QUIET_S + 60, wait_for_ready=False)
+    async with serving(scripted_settings(), engine=ScriptedEngine(waits_in_the_queue)) as running:
+        # The control: the same servicer on a server with gRPC's default options.
+        default_server = grpc.aio.server()
+        add_diffusion_service(DiffusionServicer(ScriptedEngine(waits_in_the_queue)), default_server)
+        default_port = default_server.add_insecure_port("127.0.0.1:0")
+        await default_server.start()
+        try:
+            started = time.monotonic()
+            served, control = await asyncio.gather(
+                _events(client_of(running, **options)),
+                _events(AsyncLoraswapClient(f"127.0.0.1:{default_port}", **options)),
+                return_exceptions=True,
+            )
+            elapsed_s = time.monotonic() - started
+        finally:
+            await default_server.stop(None)
 
     assert not isinstance(served, BaseException), f"the quiet stream failed: {served!r}"
     assert [type(event) for event in served] == [Queued, Progress, GeneratedImage] and elapsed_s >= QUIET_S

@@ -21,12 +21,9 @@ from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from PIL import Image
 
-from loraswap.client import AsyncLoraswapClient, GeneratedImage
-from loraswap.server.app import start_server
-from loraswap.server.config import Settings
-from loraswap.server.engine.config import EngineConfig
+from loraswap.client import GeneratedImage
 from tests.support.engines import ScriptedEngine, noise_png, one_step
-from tests.support.servers import server_settings
+from tests.support.servers import address_of, client_of, scripted_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -38,18 +35,15 @@ SEED = 11
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def scripted_server():
-    running = await start_server(
-        Settings(engine=EngineConfig(model="scripted"), host="127.0.0.1", port=0), engine=ScriptedEngine(one_step)
-    )
-    yield running
-    await running.stop(1.0)
+    async with serving(scripted_settings(), engine=ScriptedEngine(one_step)) as running:
+        yield running
 
 
 async def test_the_python_client_with_default_options_receives_the_whole_image(scripted_server) -> None:
     expected = noise_png(SIDE, SIDE, SEED)
     assert len(expected) > DEFAULT_RECEIVE_LIMIT
 
-    async with AsyncLoraswapClient(f"127.0.0.1:{scripted_server.port}", default_timeout=60) as client:
+    async with client_of(scripted_server, default_timeout=60) as client:
         image = await client.generate_image("noise", width=SIDE, height=SIDE, seed=SEED)
 
     assert isinstance(image, GeneratedImage) and image.data == expected
@@ -84,7 +78,7 @@ def reassemble(events: list[dict]) -> bytes:
 
 async def test_the_reflection_json_path_receives_the_image_in_pieces_of_at_most_1_mib(scripted_server) -> None:
     request = {"prompt": "noise", "width": SIDE, "height": SIDE, "seed": str(SEED)}
-    sizes, events = await asyncio.to_thread(_generate_over_reflection, f"127.0.0.1:{scripted_server.port}", request)
+    sizes, events = await asyncio.to_thread(_generate_over_reflection, address_of(scripted_server), request)
 
     assert max(sizes) <= MIB, sizes
     kinds = [next(iter(event)) for event in events]
@@ -105,16 +99,11 @@ def _cuda_available() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _cuda_available(), reason="a 1280x1280 image from a built-in model takes minutes on CPU")
 async def test_a_built_in_model_image_over_4_mib_reaches_default_clients(flux_adapter_dir) -> None:
-    running = await start_server(
-        server_settings("tiny-flux", flux_adapter_dir, compile=False, device="cuda", max_size=SIDE)
-    )
-    try:
-        target = f"127.0.0.1:{running.port}"
-        async with AsyncLoraswapClient(target, default_timeout=300) as client:
+    async with serving("tiny-flux", flux_adapter_dir, compile=False, device="cuda", max_size=SIDE) as running:
+        target = address_of(running)
+        async with client_of(running, default_timeout=300) as client:
             image = await client.generate_image("a red circle", width=SIDE, height=SIDE, num_inference_steps=1, seed=1)
         assert len(image.data) > DEFAULT_RECEIVE_LIMIT
         request = {"prompt": "a red circle", "width": SIDE, "height": SIDE, "numInferenceSteps": 1, "seed": "1"}
         sizes, events = await asyncio.to_thread(_generate_over_reflection, target, request)
         assert max(sizes) <= MIB and reassemble(events) == image.data
-    finally:
-        await running.stop(1.0)

@@ -8,17 +8,17 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from loraswap.client import AsyncLoraswapClient
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
 from tests.support.adapters import FLUX_ADAPTERS
+from tests.support.servers import address_of, client_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 @pytest.fixture
 async def stub(flux_server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{flux_server.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(flux_server)) as channel:
         stub = pb_grpc.DiffusionServiceStub(channel)
         for name in FLUX_ADAPTERS:
             await stub.PreloadAdapter(pb.PreloadAdapterRequest(adapter=name), timeout=60)
@@ -54,7 +54,7 @@ async def test_the_client_follows_the_pages(flux_server, stub, monkeypatch) -> N
     monkeypatch.setattr(convert, "ADAPTER_PAGE_BYTES", 1)
     first = await stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30)
     assert len(first.adapters) == 1 and first.next_page_token, "pages should hold one adapter each here"
-    async with AsyncLoraswapClient(f"127.0.0.1:{flux_server.port}") as client:
+    async with client_of(flux_server) as client:
         listing = await client.list_adapters()
     assert [a.id for a in listing.adapters] == [a.id for a in whole.adapters]
 

@@ -16,6 +16,7 @@ from grpc_status import rpc_status
 
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
+from tests.support.servers import address_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -48,7 +49,7 @@ def _reason(error: grpc.aio.AioRpcError) -> str:
 
 @pytest.fixture
 async def stub(flux_server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{flux_server.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(flux_server)) as channel:
         yield pb_grpc.DiffusionServiceStub(channel)
 
 

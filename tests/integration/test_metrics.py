@@ -7,7 +7,6 @@ swap, a warm swap, an Evict, refused requests) and compares every counter, histo
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 import urllib.request
 
@@ -15,11 +14,10 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraswap.client import AsyncLoraswapClient, InvalidRequest, NotFound
-from loraswap.server.app import start_server
+from loraswap.client import InvalidRequest, NotFound
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
 from tests.support.engines import ScriptedEngine, one_step
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, server_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -49,11 +47,8 @@ EXPOSED = {
 
 
 def metrics_settings(**changes):
-    settings = server_settings("shapes", shapes_adapter_dir(), compile=False)
-    engine_changes = {key: changes.pop(key) for key in list(changes) if hasattr(settings.engine, key)}
-    return dataclasses.replace(
-        settings, engine=dataclasses.replace(settings.engine, **engine_changes), metrics_port=0, **changes
-    )
+    """An eager `shapes` server with /metrics on a port the OS picks; `changes` as server_settings takes them."""
+    return server_settings("shapes", shapes_adapter_dir(), **{"compile": False, "metrics_port": 0, **changes})
 
 
 async def scrape_text(port: int) -> str:
@@ -93,12 +88,8 @@ def key(name: str, **labels: str):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def served():
-    running = await start_server(metrics_settings())
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:
-            yield running, client
-    finally:
-        await running.stop(1.0)
+    async with serving(metrics_settings()) as running, client_of(running) as client:
+        yield running, client
 
 
 async def test_a_cold_load_a_swap_an_eviction_and_refusals_change_exactly_their_metrics(served):
@@ -211,15 +202,11 @@ async def test_queue_depth_is_read_while_a_generation_runs(served):
 
 
 async def test_adapter_labels_are_capped_and_a_stack_counts_each_member():
-    running = await start_server(metrics_settings(metrics_max_adapters=1, max_rank=32))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:
-            await client.generate_image(PROMPT, adapters=["outline", "purple"], seed=3, num_inference_steps=1)
-            await client.generate_image(PROMPT, adapter="swap-colors", seed=3, num_inference_steps=1)
-            await client.generate_image(PROMPT, adapter="outline", seed=3, num_inference_steps=1)
-            samples = await scrape(running.metrics_port)
-    finally:
-        await running.stop(1.0)
+    async with serving(metrics_settings(metrics_max_adapters=1, max_rank=32)) as running, client_of(running) as client:
+        await client.generate_image(PROMPT, adapters=["outline", "purple"], seed=3, num_inference_steps=1)
+        await client.generate_image(PROMPT, adapter="swap-colors", seed=3, num_inference_steps=1)
+        await client.generate_image(PROMPT, adapter="outline", seed=3, num_inference_steps=1)
+        samples = await scrape(running.metrics_port)
     per_adapter = {
         dict(labels)["adapter"]: value for (name, labels), value in samples.items()
         if name == "loraswap_adapter_requests_total"
@@ -228,11 +215,6 @@ async def test_adapter_labels_are_capped_and_a_stack_counts_each_member():
 
 
 async def test_no_metrics_port_means_no_metrics_server():
-    running = await start_server(
-        dataclasses.replace(metrics_settings(), metrics_port=None), engine=ScriptedEngine(one_step)
-    )
-    try:
+    async with serving(metrics_settings(metrics_port=None), engine=ScriptedEngine(one_step)) as running:
         assert running.metrics_port is None
         assert running.observers.metrics is None
-    finally:
-        await running.stop(1.0)

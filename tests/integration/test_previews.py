@@ -17,11 +17,10 @@ import pytest_asyncio
 from PIL import Image
 
 from loraswap.client import AsyncLoraswapClient, GeneratedImage, Progress
-from loraswap.server.app import start_server
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
 from loraswap.server.engine.pipeline.previews import MAX_PREVIEW_SIDE
 from tests.support.previews import dominant_colours_agree
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -30,12 +29,8 @@ PROMPT = "a red circle on a blue background"
 
 @contextlib.asynccontextmanager
 async def eager_client(model: str, adapter_dir) -> AsyncIterator[AsyncLoraswapClient]:
-    running = await start_server(server_settings(model, adapter_dir, compile=False))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:
-            yield client
-    finally:
-        await running.stop(1.0)
+    async with serving(model, adapter_dir, compile=False) as running, client_of(running) as client:
+        yield client
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -16,8 +16,6 @@ import pytest
 import pytest_asyncio
 import torch
 
-from loraswap.client import AsyncLoraswapClient
-from loraswap.server.app import start_server
 from loraswap.server.config import SettingsError
 from loraswap.server.engine.adapters.canonical import load_canonical
 from loraswap.server.engine.adapters.sources import AdapterFile
@@ -29,7 +27,7 @@ from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.pipeline.startup import start_runtime
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
-from tests.support.servers import TEST_TORCH_THREADS, server_settings
+from tests.support.servers import TEST_TORCH_THREADS, address_of, client_of, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -115,20 +113,19 @@ def test_serve_refuses_fp8_on_the_cpu_before_loading_anything() -> None:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def int8_server():
     """One compiled, warmed-up server with int8 weights and the shipped adapters, for the tests over gRPC."""
-    running = await start_server(server_settings("shapes", None, quantize="int8wo"))
-    yield running
-    await running.stop(1)
+    async with serving("shapes", None, quantize="int8wo") as running:
+        yield running
 
 
 async def test_server_info_reports_quantization_and_stored_weight_bytes(int8_server) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{int8_server.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(int8_server)) as channel:
         info = await pb_grpc.DiffusionServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest())
     assert info.quantization == "int8wo"
     assert 0 < info.denoiser_weight_bytes == int8_server.engine.describe().denoiser_weight_bytes
 
 
 async def test_swaps_under_compile_add_no_graph_with_int8_weights(int8_server) -> None:
-    async with AsyncLoraswapClient(f"127.0.0.1:{int8_server.port}", default_timeout=120) as client:
+    async with client_of(int8_server) as client:
         info = await client.server_info()
         assert info.compiled and info.quantization == "int8wo"
         before = info.recompilations

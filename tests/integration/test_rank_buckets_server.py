@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraswap.client import AsyncLoraswapClient
-from loraswap.server.app import start_server
 from tests.support.images import assert_images_close, decode
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, server_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -35,22 +33,18 @@ async def test_images_equal_diffusers_in_every_bucket_and_nothing_recompiles(flu
     settings = server_settings(
         "tiny-flux", flux_adapter_dir, rank_buckets=BUCKETS[:-1], compile_backend="eager", fuse="never"
     )
-    running = await start_server(settings)
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:
-            info = await client.server_info()
-            assert info.rank_buckets == BUCKETS  # the max rank appended
-            assert info.compiled and info.recompilations == 0
-            slot = running.engine._runtime.slot
-            buckets_seen = set()
-            for members in SEQUENCE:
-                image = await client.generate_image(PROMPT, adapters=members, seed=SEED, num_inference_steps=STEPS)
-                buckets_seen.add(slot.bucket)
-                expected = flux_reference.stack_image(
-                    members, prompt=PROMPT, seed=SEED, steps=STEPS, guidance=info.default_guidance_scale
-                )
-                assert_images_close(decode(image.data), expected)
-            assert buckets_seen == {0, *BUCKETS}
-            assert (await client.server_info()).recompilations == 0
-    finally:
-        await running.stop(1.0)
+    async with serving(settings) as running, client_of(running) as client:
+        info = await client.server_info()
+        assert info.rank_buckets == BUCKETS  # the max rank appended
+        assert info.compiled and info.recompilations == 0
+        residency = running.engine.runtime.residency
+        buckets_seen = set()
+        for members in SEQUENCE:
+            image = await client.generate_image(PROMPT, adapters=members, seed=SEED, num_inference_steps=STEPS)
+            buckets_seen.add(residency.bucket)
+            expected = flux_reference.stack_image(
+                members, prompt=PROMPT, seed=SEED, steps=STEPS, guidance=info.default_guidance_scale
+            )
+            assert_images_close(decode(image.data), expected)
+        assert buckets_seen == {0, *BUCKETS}
+        assert (await client.server_info()).recompilations == 0

@@ -12,13 +12,15 @@ from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from PIL import Image
 
+from tests.support.servers import address_of
+
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 async def test_reflection_only_client_lists_and_generates(flux_server):
     def call() -> tuple[list[str], list[dict]]:
         # A sync channel, like grpcurl: no generated code, only reflection and JSON.
-        with grpc.insecure_channel(f"127.0.0.1:{flux_server.port}") as channel:
+        with grpc.insecure_channel(address_of(flux_server)) as channel:
             database = ProtoReflectionDescriptorDatabase(channel)
             services = list(database.get_services())
             pool = descriptor_pool.DescriptorPool(database)
@@ -52,7 +54,7 @@ async def test_reflection_only_client_lists_and_generates(flux_server):
 async def test_health_reports_serving(flux_server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{flux_server.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(flux_server)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", "loraswap.v1.DiffusionService"):
             response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)

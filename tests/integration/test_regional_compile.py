@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from loraswap.client import AsyncLoraswapClient
-from loraswap.server.app import start_server
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.pipeline.startup import start_runtime
 from tests.support.images import assert_images_close, decode
-from tests.support.servers import TEST_TORCH_THREADS, server_settings
+from tests.support.servers import TEST_TORCH_THREADS, client_of, serving
 
 PROMPT = "a lighthouse at dusk"
 SEQUENCE = [("r4-attn", 1.0), ("r16-mlp", 0.7), ("", 1.0)]  # other ranks, layers and strengths, then the base
@@ -19,15 +17,14 @@ STACK = [("r4-attn", 0.8), ("r8-context", 1.0)]
 @pytest.mark.asyncio(loop_scope="session")
 async def test_regional_compile_swaps_match_diffusers_without_recompiling(flux_adapter_dir, flux_reference):
     # dynamo's guards decide recompilation; the test backend (eager) has them without inductor's code generation.
-    running = await start_server(server_settings("tiny-flux", flux_adapter_dir, compile="regional"))
-    try:
-        denoiser = running.engine._require_runtime().denoiser
+    async with serving("tiny-flux", flux_adapter_dir, compile="regional") as running:
+        denoiser = running.engine.runtime.denoiser
         compiled_blocks = [
             module for module in denoiser.modules() if getattr(module, "_compiled_call_impl", None) is not None
         ]
         assert compiled_blocks and {type(block).__name__ for block in compiled_blocks} == set(denoiser._repeated_blocks)
         assert getattr(denoiser, "_compiled_call_impl", None) is None  # the denoiser itself stays eager
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=300) as client:
+        async with client_of(running, default_timeout=300) as client:
             info = await client.server_info()
             assert (info.compiled, info.compile_mode) == (True, "regional/default")
             for adapter, scale in SEQUENCE:
@@ -44,8 +41,6 @@ async def test_regional_compile_swaps_match_diffusers_without_recompiling(flux_a
             )
             assert_images_close(decode(image.data), expected)
             assert (await client.server_info()).recompilations == 0
-    finally:
-        await running.stop(1.0)
 
 
 @pytest.mark.parametrize(
@@ -61,8 +56,8 @@ def test_compile_mode_as_the_server_reports_it_on_cpu(compile, mode, label):
             torch_threads=TEST_TORCH_THREADS,
         )
     )  # fmt: skip
-    assert runtime.compile_label == label
-    assert runtime.compiled is (label != "none")
+    assert runtime.compiled.label == label
+    assert runtime.compiled.compiled is (label != "none")
 
 
 def test_regional_compile_needs_repeated_blocks():

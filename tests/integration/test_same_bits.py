@@ -19,14 +19,13 @@ import pytest
 import pytest_asyncio
 import torch
 
-from loraswap.client import AsyncLoraswapClient, LoraswapError, Progress
-from loraswap.server.app import start_server
+from loraswap.client import LoraswapError, Progress
 from loraswap.server.config import Settings
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
 from loraswap.server.engine.pipeline.startup import start_runtime
 from loraswap.server.engine.types import GenerationRequest
-from tests.support.servers import TEST_TORCH_THREADS
+from tests.support.servers import TEST_TORCH_THREADS, client_of, serving
 
 # At this size and step count a kernel's sums split differently at another thread count, and the difference reaches
 # the PNG bytes (test_the_request_is_thread_sensitive); at fewer steps it may round away in the 8-bit pixels (one
@@ -52,16 +51,15 @@ def adapter_dir(tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def default_server(adapter_dir):
     # The defaults `loraswap serve` runs with, but for the adapter directory and a port the OS picks.
-    running = await start_server(Settings(engine=EngineConfig(adapter_dir=adapter_dir), host="127.0.0.1", port=0))
-    yield running
-    await running.stop(1.0)
+    async with serving(Settings(engine=EngineConfig(adapter_dir=adapter_dir), host="127.0.0.1", port=0)) as running:
+        yield running
     torch.set_num_threads(TEST_TORCH_THREADS)  # the thread count is the process's: give the other tests theirs back
 
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_the_same_request_gives_the_same_bytes_after_anything(default_server) -> None:
     port = default_server.port
-    async with AsyncLoraswapClient(f"127.0.0.1:{port}", default_timeout=300) as client:
+    async with client_of(default_server, default_timeout=300) as client:
         info = await client.server_info()
         assert info.torch_threads > 0, "the default thread count is fixed, so it cannot move the image's bits"
         base = (await client.generate_image(**REQUEST)).data

@@ -11,9 +11,8 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraswap.client import AsyncLoraswapClient, GeneratedImage, LoraswapError, Progress, Queued
-from loraswap.server.app import start_server
-from tests.support.servers import server_settings
+from loraswap.client import GeneratedImage, LoraswapError, Progress, Queued
+from tests.support.servers import address_of, client_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -21,18 +20,9 @@ LONG_STEPS = 150  # long enough (> 0.5 s on one thread) to hold the worker while
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def queue_server(flux_adapter_dir):
-    running = await start_server(
-        server_settings("tiny-flux", flux_adapter_dir, compile=False, max_queue=3, max_bypass=2)
-    )
-    yield running
-    await running.stop(1.0)
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def client(queue_server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{queue_server.port}", default_timeout=120) as client:
-        yield client
+async def server(flux_adapter_dir):
+    async with serving("tiny-flux", flux_adapter_dir, compile=False, max_queue=3, max_bypass=2) as running:
+        yield running
 
 
 async def wait_until_running(client, **request):
@@ -52,15 +42,15 @@ async def wait_until_running(client, **request):
     return task
 
 
-async def queued_positions(queue_server) -> int:
-    return queue_server.engine._scheduler.queue_length
+async def queued_positions(server) -> int:
+    return server.engine.gauges().queue_depth
 
 
-async def test_full_queue_is_refused_at_once_and_the_queued_finish(client, queue_server):
+async def test_full_queue_is_refused_at_once_and_the_queued_finish(client, server):
     holder = await wait_until_running(client, seed=1)
     waiting = [asyncio.ensure_future(client.generate_image("queued", seed=seed, num_inference_steps=2))
                for seed in range(3)]  # fmt: skip
-    while await queued_positions(queue_server) < 3:
+    while await queued_positions(server) < 3:
         await asyncio.sleep(0.01)
     started = time.perf_counter()
     with pytest.raises(LoraswapError) as caught:
@@ -73,7 +63,7 @@ async def test_full_queue_is_refused_at_once_and_the_queued_finish(client, queue
     assert isinstance((await holder)[-1], GeneratedImage)
 
 
-async def test_cancel_while_queued_leaves_the_queue_at_once(client, queue_server):
+async def test_cancel_while_queued_leaves_the_queue_at_once(client, server):
     holder = await wait_until_running(client, seed=1)
     doomed = asyncio.ensure_future(client.generate_image("doomed", seed=2, num_inference_steps=2))
     behind_positions: list[int] = []
@@ -92,7 +82,7 @@ async def test_cancel_while_queued_leaves_the_queue_at_once(client, queue_server
     while behind_positions[-1] != 1:
         await asyncio.sleep(0.01)
     assert not holder.done(), "the position changed because the doomed request left, not because work finished"
-    assert await queued_positions(queue_server) == 1
+    assert await queued_positions(server) == 1
     await holder
     assert (await behind_task).seed == 3
 
@@ -170,25 +160,25 @@ async def test_waiting_requests_for_the_resident_adapter_go_first_but_never_star
     assert finished == ["r4-0", "r4-1", "base"]
 
 
-async def test_bypass_limit_holds_under_adversarial_arrivals(client, queue_server):
+async def test_bypass_limit_holds_under_adversarial_arrivals(client, server):
     """A stream of resident-adapter requests cannot starve a base request beyond max_bypass."""
-    scheduler = queue_server.engine._scheduler
+    engine = server.engine
     holder, tasks, finished, submit = await queue_base_behind_resident_adapter(client)
     # Keep feeding resident-adapter requests as soon as there is room in the queue.
     for index in range(2, 6):
-        while scheduler.queue_length >= scheduler.max_queue:
+        while engine.gauges().queue_depth >= engine.config.max_queue:
             await asyncio.sleep(0.005)
         submit(f"r4-{index}", "r4-attn")
         await asyncio.sleep(0.02)
     await asyncio.gather(*tasks)
     await holder
-    assert finished.index("base") <= scheduler.max_bypass
+    assert finished.index("base") <= engine.config.max_bypass
 
 
-async def test_a_resident_stack_is_one_state_its_members_in_any_order_go_first(client, queue_server):
+async def test_a_resident_stack_is_one_state_its_members_in_any_order_go_first(client, server):
     """A stack in the slot lets requests for the same members, in another order, go ahead with no swap."""
     holder = await wait_until_running(client, seed=1, adapters=[("r4-attn", 1.0), ("r8-context", 0.5)])
-    swaps = queue_server.engine.swaps
+    swaps = server.engine.swaps
     finished: list[str] = []
 
     async def one(label, adapters):
@@ -203,7 +193,7 @@ async def test_a_resident_stack_is_one_state_its_members_in_any_order_go_first(c
     await asyncio.gather(*tasks)
     await holder
     assert finished == ["stack-0", "stack-1", "base"]
-    assert queue_server.engine.swaps - swaps == 1  # only the base request swapped
+    assert server.engine.swaps - swaps == 1  # only the base request swapped
 
 
 async def test_not_serving_while_warming_up_and_wait_for_ready_clients_wait(flux_adapter_dir, monkeypatch):
@@ -217,25 +207,21 @@ async def test_not_serving_while_warming_up_and_wait_for_ready_clients_wait(flux
         return warm_up(*args, **kwargs)
 
     monkeypatch.setattr(startup, "warm_up", held_warm_up)
-    running = await start_server(
-        server_settings("tiny-flux", flux_adapter_dir, compile=False), wait_until_serving=False
-    )
-    try:
-        target = f"127.0.0.1:{running.port}"
-        async with grpc.aio.insecure_channel(target) as channel:
-            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        async with AsyncLoraswapClient(target, wait_for_ready=False, default_timeout=5) as impatient:
-            with pytest.raises(LoraswapError) as caught:
-                await impatient.generate_image("too early", seed=1)
-        assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.UNAVAILABLE, "NOT_SERVING")
-        async with AsyncLoraswapClient(target, default_timeout=120) as patient:
-            waiting = asyncio.ensure_future(patient.generate_image("worth the wait", seed=1, num_inference_steps=2))
-            await asyncio.sleep(1.0)
-            assert not waiting.done() and not running.warming.done(), "the patient client was meant to be waiting"
-            release.set()
-            image = await waiting
-        assert running.warming.done() and image.data
-    finally:
-        release.set()
-        await running.stop(1.0)
+    async with serving("tiny-flux", flux_adapter_dir, compile=False, wait_until_serving=False) as running:
+        try:
+            async with grpc.aio.insecure_channel(address_of(running)) as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            async with client_of(running, wait_for_ready=False, default_timeout=5) as impatient:
+                with pytest.raises(LoraswapError) as caught:
+                    await impatient.generate_image("too early", seed=1)
+            assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.UNAVAILABLE, "NOT_SERVING")
+            async with client_of(running) as patient:
+                waiting = asyncio.ensure_future(patient.generate_image("worth the wait", seed=1, num_inference_steps=2))
+                await asyncio.sleep(1.0)
+                assert not waiting.done() and not running.warming.done(), "the patient client was meant to be waiting"
+                release.set()
+                image = await waiting
+            assert running.warming.done() and image.data
+        finally:
+            release.set()  # before the stop, which would wait for the held warm-up

@@ -22,12 +22,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from loraswap.client import AsyncLoraswapClient, LoraswapError, TlsConfig
 from loraswap.client import cli as client_cli
-from loraswap.server.app import start_server
-from loraswap.server.config import Settings
-from loraswap.server.engine.config import EngineConfig
 from tests.support.certificates import TestCertificateAuthority
 from tests.support.engines import ScriptedEngine, one_step
-from tests.support.servers import server_settings
+from tests.support.servers import address_of, client_of, scripted_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -62,37 +59,25 @@ def pki(tmp_path_factory) -> Pki:
 async def secured_server(pki, flux_adapter_dir, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("tokens") / "tokens"
     token_file.write_text(f"# roles\ngenerate {GENERATE_TOKEN}\nadmin {ADMIN_TOKEN}\n")
-    settings = dataclasses.replace(
-        server_settings("tiny-flux", flux_adapter_dir, compile=False),
-        tls_cert=pki.files["server_cert"],
-        tls_key=pki.files["server_key"],
-        auth_token_file=token_file,
-    )
-    running = await start_server(settings)
-    yield running
-    await running.stop(1.0)
+    async with serving(
+        "tiny-flux", flux_adapter_dir, compile=False,
+        tls_cert=pki.files["server_cert"], tls_key=pki.files["server_key"], auth_token_file=token_file,
+    ) as running:  # fmt: skip
+        yield running
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def mtls_server(pki):
-    settings = Settings(
-        engine=EngineConfig(model="scripted"),
-        host="127.0.0.1",
-        port=0,
-        tls_cert=pki.files["server_cert"],
-        tls_key=pki.files["server_key"],
-        tls_client_ca=pki.files["ca"],
+    settings = scripted_settings(
+        tls_cert=pki.files["server_cert"], tls_key=pki.files["server_key"], tls_client_ca=pki.files["ca"]
     )
-    running = await start_server(settings, engine=ScriptedEngine(one_step))
-    yield running
-    await running.stop(1.0)
+    async with serving(settings, engine=ScriptedEngine(one_step)) as running:
+        yield running
 
 
 def _client(server, tls: TlsConfig | None, token: str | None = None) -> AsyncLoraswapClient:
     # No waiting for a server that refuses the connection: the refusal is what some tests look for.
-    return AsyncLoraswapClient(
-        f"127.0.0.1:{server.port}", tls=tls, token=token, default_timeout=60, wait_for_ready=False
-    )
+    return client_of(server, tls=tls, token=token, default_timeout=60, wait_for_ready=False)
 
 
 # -- TLS ------------------------------------------------------------------------------------------------------
@@ -189,12 +174,12 @@ async def test_an_admin_token_may_call_everything(secured_server, pki) -> None:
 
 async def test_health_and_reflection_need_no_token(secured_server, pki) -> None:
     credentials = grpc.ssl_channel_credentials(pki.ca.certificate_pem)
-    async with grpc.aio.secure_channel(f"127.0.0.1:{secured_server.port}", credentials) as channel:
+    async with grpc.aio.secure_channel(address_of(secured_server), credentials) as channel:
         response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert response.status == health_pb2.HealthCheckResponse.SERVING
 
     def list_services() -> list[str]:
-        with grpc.secure_channel(f"127.0.0.1:{secured_server.port}", credentials) as channel:
+        with grpc.secure_channel(address_of(secured_server), credentials) as channel:
             return list(ProtoReflectionDescriptorDatabase(channel).get_services())
 
     assert "loraswap.v1.DiffusionService" in await asyncio.to_thread(list_services)
@@ -204,7 +189,7 @@ async def _probe(server, *flags: str) -> tuple[int, str]:
     """`python -m loraswap.server.healthcheck 127.0.0.1:PORT FLAGS` as a container runs it: exit code, stdout.
     A subprocess the event loop waits on, so the server in this loop keeps answering."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "loraswap.server.healthcheck", f"127.0.0.1:{server.port}", "--timeout", "10", *flags,
+        sys.executable, "-m", "loraswap.server.healthcheck", address_of(server), "--timeout", "10", *flags,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     stdout, _ = await asyncio.wait_for(process.communicate(), 60)
@@ -252,11 +237,11 @@ async def test_the_cli_connects_with_a_ca_a_client_certificate_and_a_token(
     client_cert, client_key = pki.ca.issue_client().write(tmp_path, "client")
     ca = str(pki.files["ca"])
 
-    mtls = parser.parse_args(["info", "--server", f"127.0.0.1:{mtls_server.port}", "--tls-ca", ca,
+    mtls = parser.parse_args(["info", "--server", address_of(mtls_server), "--tls-ca", ca,
                               "--tls-cert", str(client_cert), "--tls-key", str(client_key)])  # fmt: skip
     assert await asyncio.to_thread(mtls.func, mtls) == 0
     assert json.loads(capsys.readouterr().out)["model"] == "scripted"
 
-    admin = parser.parse_args(["preload", "r16-mlp", "--server", f"127.0.0.1:{secured_server.port}", "--tls-ca", ca])
+    admin = parser.parse_args(["preload", "r16-mlp", "--server", address_of(secured_server), "--tls-ca", ca])
     assert await asyncio.to_thread(admin.func, admin) == 0
     assert json.loads(capsys.readouterr().out)["adapter"]["id"] == "r16-mlp"

@@ -15,10 +15,9 @@ from training.shapes_classifier import ShapeReading, classify_image
 from training.shapes_data import prompt_set
 
 from loraswap.client import AsyncLoraswapClient
-from loraswap.server.app import start_server
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
 from tests.support.images import decode
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -40,14 +39,10 @@ async def draw_all(client: AsyncLoraswapClient, adapter: str) -> list[tuple[Shap
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def sequence_results():
     """Readings of each phase of SEQUENCE, and the server's recompilation count before and after."""
-    running = await start_server(server_settings("shapes", shapes_adapter_dir()))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:
-            info = await client.server_info()
-            phases = [(adapter, await draw_all(client, adapter)) for adapter in SEQUENCE]
-            after = await client.server_info()
-    finally:
-        await running.stop(1.0)
+    async with serving("shapes", shapes_adapter_dir()) as running, client_of(running) as client:
+        info = await client.server_info()
+        phases = [(adapter, await draw_all(client, adapter)) for adapter in SEQUENCE]
+        after = await client.server_info()
     return info, after, phases
 
 

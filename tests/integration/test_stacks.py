@@ -12,9 +12,9 @@ import pytest
 import pytest_asyncio
 
 from loraswap.client import AsyncLoraswapClient, LoraswapError, StackedAdapter
-from loraswap.server.app import start_server
 from tests.support.images import MIN_ADAPTER_EFFECT, assert_images_close, decode
-from tests.support.servers import server_settings
+from tests.support.servers import client_of, serving
+from tests.support.slots import gates_match_resident
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -41,21 +41,18 @@ async def image_of(client: AsyncLoraswapClient, adapters=(), **single):
 async def stack_server(flux_adapter_dir):
     """A fresh server, and its single-adapter and base images from before it held any stack."""
     # --fuse never: stacks in the slot, and its STACK_RANK_EXCEEDED (fused stacks: test_fused_adapters).
-    running = await start_server(server_settings("tiny-flux", flux_adapter_dir, fuse="never"))
-    try:
-        async with AsyncLoraswapClient(f"127.0.0.1:{running.port}", default_timeout=120) as client:
+    async with serving("tiny-flux", flux_adapter_dir, fuse="never") as running:
+        async with client_of(running) as client:
             fresh = {
                 (adapter, scale): await image_of(client, adapter=adapter, adapter_scale=scale)
                 for adapter, scale in SINGLES
             }
         yield running, fresh
-    finally:
-        await running.stop(1.0)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def client(stack_server):
-    async with AsyncLoraswapClient(f"127.0.0.1:{stack_server[0].port}", default_timeout=120) as client:
+    async with client_of(stack_server[0]) as client:
         yield client
 
 
@@ -110,7 +107,7 @@ async def test_single_adapters_and_the_base_after_a_stack_equal_a_fresh_server(c
         after = await image_of(client, adapter=adapter, adapter_scale=scale)
         assert after.timings.adapter_swap_ms > 0  # it really swapped away from the stack
         assert after.data == fresh[(adapter, scale)].data, (adapter, scale)
-    assert stack_server[0].engine._runtime.slot.gates_match_resident()
+    assert gates_match_resident(stack_server[0].engine.runtime.residency.slot)
     assert (await client.server_info()).recompilations == 0
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tests.support.images import MIN_ADAPTER_EFFECT, assert_images_close, decode
+from tests.support.slots import gates_match_resident
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -89,7 +90,7 @@ async def test_flux_swaps_match_fresh_diffusers_without_recompiling(flux_client,
     after = await flux_client.server_info()
     assert before == 0 and after.recompilations == 0
     # The slot's invariant after every swap: each gate opens exactly the resident ranks; every weight is finite.
-    assert flux_server.engine._runtime.slot.gates_match_resident()
+    assert gates_match_resident(flux_server.engine.runtime.residency.slot)
 
 
 async def test_sdxl_swaps_match_fresh_diffusers_without_recompiling(sdxl_client, sdxl_reference):

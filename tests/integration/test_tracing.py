@@ -6,7 +6,6 @@ grpc.aio server and keeps every span exported to it; the server exports to it wi
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import sys
 
@@ -15,13 +14,12 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from loraswap.server.app import start_server
 from loraswap.server.config import SettingsError
 from loraswap.server.engine.models.shapes import shapes_adapter_dir
 from loraswap.server.observability.tracing import MISSING_EXTRA
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
-from tests.support.servers import server_settings
+from tests.support.servers import address_of, server_settings, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -54,10 +52,12 @@ async def test_each_generate_is_one_trace_with_its_phases_joining_the_callers_tr
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, collector)
     collector_port = collector.add_insecure_port("127.0.0.1:0")
     await collector.start()
-    settings = server_settings("shapes", shapes_adapter_dir(), compile=False)
-    running = await start_server(dataclasses.replace(settings, otlp_endpoint=f"http://127.0.0.1:{collector_port}"))
+    settings = server_settings(
+        "shapes", shapes_adapter_dir(), compile=False, otlp_endpoint=f"http://127.0.0.1:{collector_port}"
+    )
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        # Leaving the block stops the server, which flushes the pending spans to the collector still listening.
+        async with serving(settings) as running, grpc.aio.insecure_channel(address_of(running)) as channel:
             stub = pb_grpc.DiffusionServiceStub(channel)
             traceparent = f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01"
             joined = stub.Generate(
@@ -72,7 +72,6 @@ async def test_each_generate_is_one_trace_with_its_phases_joining_the_callers_tr
             assert failed.value.code() == grpc.StatusCode.NOT_FOUND
             await stub.GetServerInfo(pb.GetServerInfoRequest())  # not traced
     finally:
-        await running.stop(1.0)  # flushes the pending spans
         await collector.stop(0)
 
     assert receiver.service_names == {"loraswap"}
@@ -116,7 +115,8 @@ async def test_each_generate_is_one_trace_with_its_phases_joining_the_callers_tr
 async def test_otlp_endpoint_without_opentelemetry_stops_start_up_with_one_line(monkeypatch):
     # As if the `otlp` extra were not installed: the exporter's module cannot be imported.
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
-    settings = server_settings("shapes", shapes_adapter_dir(), compile=False)
+    settings = server_settings("shapes", shapes_adapter_dir(), compile=False, otlp_endpoint="http://127.0.0.1:4317")
     with pytest.raises(SettingsError) as refused:
-        await start_server(dataclasses.replace(settings, otlp_endpoint="http://127.0.0.1:4317"))
+        async with serving(settings):
+            pass
     assert str(refused.value) == MISSING_EXTRA and "\n" not in MISSING_EXTRA

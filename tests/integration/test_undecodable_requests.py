@@ -8,6 +8,7 @@ import pytest
 
 from loraswap.client import error_from_rpc
 from loraswap.v1 import diffusion_service_pb2 as pb
+from tests.support.servers import address_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -27,7 +28,7 @@ CASES = [
 
 @pytest.mark.parametrize(("rpc", "message", "raw", "hint"), CASES, ids=lambda value: str(value)[:20])
 async def test_undecodable_bytes_are_invalid_argument(flux_server, rpc: str, message: str, raw: bytes, hint: str):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{flux_server.port}") as channel:
+    async with grpc.aio.insecure_channel(address_of(flux_server)) as channel:
         method = f"/loraswap.v1.DiffusionService/{rpc}"
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             if rpc == "Generate":

@@ -24,12 +24,20 @@ SDXL_ADAPTERS = {
 
 def write_adapters(model: str, directory: Path, specs: dict, init_std: float) -> Path:
     """Write each spec (name -> (rank, alpha, targets)) as a PEFT-written adapter folder under directory."""
+    adapters = {
+        name: dict(rank=rank, alpha=alpha, target_modules=targets, seed=index + 1)
+        for index, (name, (rank, alpha, targets)) in enumerate(specs.items())
+    }
+    return write_random_adapters(model, directory, adapters, init_std)
+
+
+def write_random_adapters(model: str, directory: Path, adapters: dict[str, dict], init_std: float) -> Path:
+    """Write each adapter (name -> write_random_adapter's keywords: rank, alpha, target_modules, seed, use_dora,
+    lora_bias, ...) as a PEFT-written adapter folder under directory, all for one build of `model`."""
     from loraswap.server.devtools.random_adapter import write_random_adapter
     from loraswap.server.engine.models import builtin_model
 
     pipe = builtin_model(model).build()
-    for index, (name, (rank, alpha, targets)) in enumerate(specs.items()):
-        write_random_adapter(
-            pipe, directory / name, rank=rank, alpha=alpha, target_modules=targets, seed=index + 1, init_std=init_std
-        )
+    for name, keywords in adapters.items():
+        write_random_adapter(pipe, directory / name, init_std=init_std, **keywords)
     return directory

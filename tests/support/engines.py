@@ -1,7 +1,8 @@
 """An engine double for real servers whose tests are about the wire, not the pipeline (keepalive, large images).
 
-`start_server(settings, engine=ScriptedEngine(...))` serves it through the real transport: the servicer,
-the conversions, the error table, the server's options. Generate runs whatever script the test gives.
+`serving(scripted_settings(), engine=ScriptedEngine(...))` (tests/support/servers.py) serves it through the real
+transport: the servicer, the conversions, the error table, the server's options. Generate runs whatever script the
+test gives.
 """
 
 from __future__ import annotations

@@ -35,30 +35,35 @@ FLUX_SINGLE = {
 }
 FLUX_FINAL = {"lora_unet_final_layer_linear": (32, 16, [("proj_out", WHOLE)])}
 
-# The same six SDXL layers in the diffusers-style names kohya writes for SD1.x-like UNets and in the
-# sgm (input/middle/output block) names kohya writes for SDXL. tiny-sdxl: layers_per_block=2,
-# down_blocks.1 and up_blocks.0 carry attentions, so input_blocks 4/5 and output_blocks 0..2 are them.
-# Alphas vary per layer, but every attention layer has the most common one (2.0): see the UPSTREAM test.
+# Six SDXL layers of tiny-sdxl (diffusers module, in, out, alpha), which kohya writes in two spellings: the
+# diffusers-style names it uses for SD1.x-like UNets, and the sgm (input/middle/output block) names it uses for
+# SDXL. Alphas vary per layer, but every attention layer has the most common one (2.0): see the UPSTREAM test.
 SDXL_LAYERS = [
-    ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q", 32, 32, 2.0,
-     "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
-     "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"),
-    ("down_blocks.1.attentions.1.transformer_blocks.1.attn2.to_k", 64, 32, 2.0,
-     "lora_unet_down_blocks_1_attentions_1_transformer_blocks_1_attn2_to_k",
-     "lora_unet_input_blocks_5_1_transformer_blocks_1_attn2_to_k"),
-    ("down_blocks.1.attentions.0.transformer_blocks.0.ff.net.0.proj", 32, 256, 8.0,
-     "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_ff_net_0_proj",
-     "lora_unet_input_blocks_4_1_transformer_blocks_0_ff_net_0_proj"),
-    ("mid_block.attentions.0.transformer_blocks.1.ff.net.2", 128, 32, 4.0,
-     "lora_unet_mid_block_attentions_0_transformer_blocks_1_ff_net_2",
-     "lora_unet_middle_block_1_transformer_blocks_1_ff_net_2"),
-    ("up_blocks.0.attentions.2.proj_in", 32, 32, 1.0,
-     "lora_unet_up_blocks_0_attentions_2_proj_in",
-     "lora_unet_output_blocks_2_1_proj_in"),
-    ("up_blocks.0.attentions.0.transformer_blocks.1.attn1.to_out.0", 32, 32, 2.0,
-     "lora_unet_up_blocks_0_attentions_0_transformer_blocks_1_attn1_to_out_0",
-     "lora_unet_output_blocks_0_1_transformer_blocks_1_attn1_to_out_0"),
-]  # fmt: skip
+    ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q", 32, 32, 2.0),
+    ("down_blocks.1.attentions.1.transformer_blocks.1.attn2.to_k", 64, 32, 2.0),
+    ("down_blocks.1.attentions.0.transformer_blocks.0.ff.net.0.proj", 32, 256, 8.0),
+    ("mid_block.attentions.0.transformer_blocks.1.ff.net.2", 128, 32, 4.0),
+    ("up_blocks.0.attentions.2.proj_in", 32, 32, 1.0),
+    ("up_blocks.0.attentions.0.transformer_blocks.1.attn1.to_out.0", 32, 32, 2.0),
+]
+# The sgm block of each attention above. tiny-sdxl: layers_per_block=2, down_blocks.1 and up_blocks.0 carry
+# attentions, so input_blocks 4/5 and output_blocks 0..2 are them.
+SGM_BLOCKS = {
+    "down_blocks.1.attentions.0": "input_blocks.4.1",
+    "down_blocks.1.attentions.1": "input_blocks.5.1",
+    "mid_block.attentions.0": "middle_block.1",
+    "up_blocks.0.attentions.0": "output_blocks.0.1",
+    "up_blocks.0.attentions.2": "output_blocks.2.1",
+}
+
+
+def kohya_module(module: str, layout: str) -> str:
+    """kohya's name for the SDXL diffusers `module`, in the "diffusers_names" or the "sgm_names" spelling."""
+    if layout == "sgm_names":
+        attention = next(prefix for prefix in SGM_BLOCKS if module.startswith(prefix + "."))
+        module = SGM_BLOCKS[attention] + module[len(attention) :]
+    return "lora_unet_" + module.replace(".", "_")
+
 
 TEXT_ENCODER_MODULES = {
     "lora_te1_text_model_encoder_layers_0_self_attn_q_proj": (32, 32),
@@ -112,8 +117,8 @@ def kohya_deltas(tensors: dict[str, torch.Tensor], mapping: dict[str, list[tuple
 
 def sdxl_modules(layout: str):
     """(kohya module -> (in, out), kohya module -> alpha, kohya module -> [(diffusers module, rows)])."""
-    column = 4 if layout == "diffusers_names" else 5
-    modules = {row[column]: (row[1], row[2]) for row in SDXL_LAYERS}
-    alphas = {row[column]: row[3] for row in SDXL_LAYERS}
-    mapping = {row[column]: [(row[0], WHOLE)] for row in SDXL_LAYERS}
+    names = {module: kohya_module(module, layout) for module, *_ in SDXL_LAYERS}
+    modules = {names[module]: (in_features, out_features) for module, in_features, out_features, _ in SDXL_LAYERS}
+    alphas = {names[module]: alpha for module, _, _, alpha in SDXL_LAYERS}
+    mapping = {names[module]: [(module, WHOLE)] for module, *_ in SDXL_LAYERS}
     return modules, alphas, mapping

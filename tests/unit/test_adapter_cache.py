@@ -1,69 +1,29 @@
 """AdapterCache: byte-budget LRU, single-flight loading, and what happens when a load fails.
 
-The loader is injected, so the adapters here are real CanonicalAdapter objects
+The loader is injected (tests/support/cache_loaders.py), so the adapters here are real CanonicalAdapter objects
 of exact byte sizes built from small tensors, handed out by a counting loader.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from loraswap.server.engine.adapters.cache import AdapterCache
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+from loraswap.server.engine.adapters.canonical import CanonicalAdapter
 from loraswap.server.engine.errors import AdapterFormatError, AdapterNotFoundError, AdapterTooLargeError
+from tests.support.cache_loaders import WAIT_S, CountingLoader, cached_names, loaded, sized_adapter
 
 torch.set_num_threads(1)
-
-WAIT_S = 10
-
-
-def _adapter(name: str, nbytes: int) -> CanonicalAdapter:
-    """An adapter of exactly `nbytes` (a multiple of 8): one rank-1 float32 layer."""
-    width = nbytes // 8
-    layer = CanonicalLayer(a=torch.zeros(1, width), b=torch.zeros(width, 1))
-    return CanonicalAdapter(name=name, source=f"test://{name}", layers={"layer": layer}, warnings=(), load_ms=0.0)
-
-
-class CountingLoader:
-    """Builds the adapter of the size given for its name; counts calls; optional delay and failures."""
-
-    def __init__(self, sizes: dict[str, int], delay_s: float = 0.0, failures: int = 0) -> None:
-        self.sizes = sizes
-        self.delay_s = delay_s
-        self.failures_left = failures
-        self.calls: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def __call__(self, name: str) -> CanonicalAdapter:
-        with self._lock:
-            self.calls[name] += 1
-            fail = self.failures_left > 0
-            self.failures_left -= 1
-        time.sleep(self.delay_s)
-        if fail:
-            raise AdapterFormatError(f"{name} is broken this time")
-        return _adapter(name, self.sizes[name])
 
 
 @pytest.fixture
 def executor():
     with ThreadPoolExecutor(max_workers=4) as pool:
         yield pool
-
-
-def _get(cache: AdapterCache, name: str):
-    future, _ = cache.get_or_load(name)
-    return future.result(timeout=WAIT_S)
-
-
-def _names(cache: AdapterCache) -> list[str]:
-    return [entry.adapter.name for entry in cache.entries()]
 
 
 @pytest.mark.parametrize(
@@ -92,8 +52,8 @@ def test_lru_under_byte_budget(executor, budget: int, sizes: dict, steps: list[s
         if step.startswith("use:"):
             cache.record_use(step.removeprefix("use:"))
         else:
-            assert _get(cache, step).adapter.name == step
-    assert _names(cache) == expected
+            assert loaded(cache, step).adapter.name == step
+    assert cached_names(cache) == expected
     assert cache.total_bytes == sum(sizes[name] for name in expected)
 
 
@@ -111,16 +71,16 @@ def test_hit_needs_no_load_and_counts_use(executor) -> None:
     cache.record_use("never-loaded")  # no entry: ignored, not created
     assert loader.calls == {"a": 1}
     assert entry.hits == 2
-    assert _names(cache) == ["a"]
+    assert cached_names(cache) == ["a"]
 
 
 def test_evict_returns_bytes_and_refuses_absent(executor) -> None:
     loader = CountingLoader({"a": 40, "b": 24})
     cache = AdapterCache(100, loader, executor)
-    held = _get(cache, "a")
-    _get(cache, "b")
+    held = loaded(cache, "a")
+    loaded(cache, "b")
     assert cache.evict("a") == 40
-    assert _names(cache) == ["b"]
+    assert cached_names(cache) == ["b"]
     assert cache.total_bytes == 24
     assert held.adapter.nbytes == 40  # whoever holds the entry keeps a usable adapter
     with pytest.raises(AdapterNotFoundError) as raised:
@@ -129,22 +89,22 @@ def test_evict_returns_bytes_and_refuses_absent(executor) -> None:
     assert raised.value.metadata == {"adapter": "a"}
     with pytest.raises(AdapterNotFoundError):
         cache.evict("never-loaded")
-    _get(cache, "a")
+    loaded(cache, "a")
     assert loader.calls == {"a": 2, "b": 1}  # evicted means loaded again next time
 
 
 def test_adapter_bigger_than_the_budget_is_refused_and_evicts_nothing(executor) -> None:
     loader = CountingLoader({"small": 40, "huge": 104})
     cache = AdapterCache(100, loader, executor)
-    _get(cache, "small")
+    loaded(cache, "small")
     future, _ = cache.get_or_load("huge")
     error = future.exception(timeout=WAIT_S)
     assert type(error) is AdapterTooLargeError
     assert error.reason == "ADAPTER_TOO_LARGE"
     assert error.metadata == {"adapter_bytes": "104", "budget_bytes": "100"}
-    assert _names(cache) == ["small"]
+    assert cached_names(cache) == ["small"]
     with pytest.raises(AdapterTooLargeError):
-        _get(cache, "huge")
+        loaded(cache, "huge")
     assert loader.calls["huge"] == 2  # refused, not cached: each ask loads again
 
 
@@ -179,7 +139,7 @@ def test_different_names_load_concurrently(executor) -> None:
 
     def loader(name: str) -> CanonicalAdapter:
         together.wait()  # BrokenBarrierError unless all three loads are in flight at once
-        return _adapter(name, 8)
+        return sized_adapter(name, 8)
 
     cache = AdapterCache(100, loader, executor)
     futures = [cache.get_or_load(name)[0] for name in ("a", "b", "c")]
@@ -193,8 +153,8 @@ def test_failed_load_is_not_cached_and_is_retried(executor) -> None:
     second, _ = cache.get_or_load("flaky")  # joins the same failing load
     assert second is first
     assert type(first.exception(timeout=WAIT_S)) is AdapterFormatError
-    assert _names(cache) == []
-    entry = _get(cache, "flaky")
+    assert cached_names(cache) == []
+    entry = loaded(cache, "flaky")
     assert entry.adapter.name == "flaky"
     assert loader.calls == {"flaky": 2}
-    assert _names(cache) == ["flaky"]
+    assert cached_names(cache) == ["flaky"]

@@ -41,6 +41,9 @@ torch.set_num_threads(1)
 MAIN_COMMIT = "a" * 40
 V1_COMMIT = "b" * 40
 MAX_BYTES = 4096
+WEIGHTS = "pytorch_lora_weights.safetensors"  # the file a Hub name resolves to when it names none
+# What hub_cache holds of owner/name: (commit, file) -> the value the file's tensor is filled with.
+CACHED_FILES = {(MAIN_COMMIT, WEIGHTS): 1.0, (MAIN_COMMIT, "style.safetensors"): 2.0, (V1_COMMIT, WEIGHTS): 3.0}
 
 
 class _TouchWhenUnpickled:
@@ -283,10 +286,9 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marker: Path) -> 
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(MAIN_COMMIT)
     (repo / "refs" / "v1").write_text(V1_COMMIT)
-    _write_adapter(repo / "snapshots" / MAIN_COMMIT / "pytorch_lora_weights.safetensors", fill=1.0)
-    _write_adapter(repo / "snapshots" / MAIN_COMMIT / "style.safetensors", fill=2.0)
+    for (commit, file), fill in CACHED_FILES.items():
+        _write_adapter(repo / "snapshots" / commit / file, fill=fill)
     _write_adapter(repo / "snapshots" / MAIN_COMMIT / "huge.safetensors", numel=MAX_BYTES)
-    _write_adapter(repo / "snapshots" / V1_COMMIT / "pytorch_lora_weights.safetensors", fill=3.0)
     pickled = cache / "models--owner--pickled"
     (pickled / "refs").mkdir(parents=True)
     (pickled / "refs" / "main").write_text(MAIN_COMMIT)
@@ -308,33 +310,26 @@ def _fill_of(path: Path) -> float:
     return float(tensor.flatten()[0])
 
 
-@pytest.mark.parametrize(
-    ("name", "commit", "file", "fill", "source"),
-    [
-        ("owner/name", MAIN_COMMIT, "pytorch_lora_weights.safetensors", 1.0,
-         "hf://owner/name@main/pytorch_lora_weights.safetensors"),
-        ("hf:owner/name", MAIN_COMMIT, "pytorch_lora_weights.safetensors", 1.0,
-         "hf://owner/name@main/pytorch_lora_weights.safetensors"),
-        ("hf:owner/name:style.safetensors", MAIN_COMMIT, "style.safetensors", 2.0,
-         "hf://owner/name@main/style.safetensors"),
-        ("owner/name:style.safetensors", MAIN_COMMIT, "style.safetensors", 2.0,
-         "hf://owner/name@main/style.safetensors"),
-        ("hf:owner/name@v1", V1_COMMIT, "pytorch_lora_weights.safetensors", 3.0,
-         "hf://owner/name@v1/pytorch_lora_weights.safetensors"),
-        ("owner/name@v1:pytorch_lora_weights.safetensors", V1_COMMIT, "pytorch_lora_weights.safetensors", 3.0,
-         "hf://owner/name@v1/pytorch_lora_weights.safetensors"),
-        (f"hf:owner/name@{V1_COMMIT}", V1_COMMIT, "pytorch_lora_weights.safetensors", 3.0,
-         f"hf://owner/name@{V1_COMMIT}/pytorch_lora_weights.safetensors"),
-    ],
-)  # fmt: skip
-def test_hub_names_resolve_from_cache(
-    hub_cache: Path, tmp_path: Path, name: str, commit: str, file: str, fill: float, source: str
-) -> None:
+# Hub name -> the cached file it resolves to (commit, file), and the source reported for it.
+HUB_NAMES = {
+    "owner/name": (MAIN_COMMIT, WEIGHTS, f"hf://owner/name@main/{WEIGHTS}"),
+    "hf:owner/name": (MAIN_COMMIT, WEIGHTS, f"hf://owner/name@main/{WEIGHTS}"),
+    "hf:owner/name:style.safetensors": (MAIN_COMMIT, "style.safetensors", "hf://owner/name@main/style.safetensors"),
+    "owner/name:style.safetensors": (MAIN_COMMIT, "style.safetensors", "hf://owner/name@main/style.safetensors"),
+    "hf:owner/name@v1": (V1_COMMIT, WEIGHTS, f"hf://owner/name@v1/{WEIGHTS}"),
+    f"owner/name@v1:{WEIGHTS}": (V1_COMMIT, WEIGHTS, f"hf://owner/name@v1/{WEIGHTS}"),
+    f"hf:owner/name@{V1_COMMIT}": (V1_COMMIT, WEIGHTS, f"hf://owner/name@{V1_COMMIT}/{WEIGHTS}"),
+}
+
+
+@pytest.mark.parametrize("name", list(HUB_NAMES))
+def test_hub_names_resolve_from_cache(hub_cache: Path, tmp_path: Path, name: str) -> None:
+    commit, file, source = HUB_NAMES[name]
     found = _hub_sources(tmp_path / "no-such-dir").resolve(name)
     assert found.name == name
     assert found.path.resolve() == (hub_cache / "models--owner--name" / "snapshots" / commit / file).resolve()
     assert found.source == source
-    assert _fill_of(found.path) == fill
+    assert _fill_of(found.path) == CACHED_FILES[(commit, file)]
 
 
 def test_adapter_directory_wins_over_hub(hub_cache: Path, tmp_path: Path) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraswap.server.devtools.random_adapter import write_random_adapter
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer, load_canonical
 from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import InvalidRequestError, StartupError
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.startup import start_runtime
+from tests.support.adapters import write_random_adapters
 from tests.support.slots import holds_pristine
 
 MAX_RANK = 16
@@ -31,11 +31,7 @@ ADAPTERS = {
 
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fused-adapters")
-    pipe = builtin_model("tiny-flux").build()
-    for name, spec in ADAPTERS.items():
-        write_random_adapter(pipe, root / name, init_std=0.3, **spec)
-    return root
+    return write_random_adapters("tiny-flux", tmp_path_factory.mktemp("fused-adapters"), ADAPTERS, init_std=0.3)
 
 
 @pytest.fixture(scope="module")

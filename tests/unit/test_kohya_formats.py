@@ -37,6 +37,7 @@ from tests.support.kohya_files import (
     flux_double,
     kohya_deltas,
     kohya_file,
+    kohya_module,
     sdxl_modules,
 )
 from tests.support.lora_reference import assert_same_deltas, canonical_deltas, diffusers_deltas, tiny_slot_specs
@@ -199,7 +200,7 @@ def test_sdxl_kohya_matches_kohya(
 @pytest.mark.filterwarnings("ignore:The following alpha_pattern keys did not match")
 def test_sdxl_kohya_minority_attention_alpha(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
     modules, alphas, mapping = sdxl_modules("diffusers_names")
-    to_q = SDXL_LAYERS[0][4]
+    to_q = kohya_module(SDXL_LAYERS[0][0], "diffusers_names")
     path = tmp_path / "kohya_sdxl_alpha.safetensors"
     tensors = kohya_file(path, modules, alphas=alphas | {to_q: 16.0})
     assert_same_deltas(canonical_deltas(_load(path, specs["tiny-sdxl"])), kohya_deltas(tensors, mapping))

@@ -47,6 +47,17 @@ def _adapter(transformer, layers, rank: int, magnitude: float, dtype: torch.dtyp
     return CanonicalAdapter(name=f"r{rank}", source="test", layers=canonical, warnings=(), load_ms=0.0)
 
 
+def _stale_slot(dtype: torch.dtype, stale_magnitude: float):
+    """A slot, inputs for each of its layers, and a max-rank adapter whose values every case starts from."""
+    transformer, layers, slot = _denoiser_with_slot(dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = {
+        name: (torch.randn(2, 3, transformer.get_submodule(name).in_features, generator=generator) * 4).to(dtype)
+        for name in layers
+    }
+    return transformer, layers, slot, x, _adapter(transformer, layers, MAX_RANK, stale_magnitude, dtype, seed=1)
+
+
 @torch.no_grad()
 def _outputs(transformer, layers, x_by_layer) -> dict[str, torch.Tensor]:
     return {name: transformer.get_submodule(name)(x_by_layer[name]) for name in layers}
@@ -62,13 +73,7 @@ def _outputs(transformer, layers, x_by_layer) -> dict[str, torch.Tensor]:
     ],
 )
 def test_lower_rank_and_base_after_a_high_rank_adapter_match_a_fresh_slot(dtype, stale_magnitude):
-    transformer, layers, slot = _denoiser_with_slot(dtype)
-    generator = torch.Generator().manual_seed(0)
-    x = {
-        name: (torch.randn(2, 3, transformer.get_submodule(name).in_features, generator=generator) * 4).to(dtype)
-        for name in layers
-    }
-    high = _adapter(transformer, layers, MAX_RANK, stale_magnitude, dtype, seed=1)
+    transformer, layers, slot, x, high = _stale_slot(dtype, stale_magnitude)
     low = _adapter(transformer, layers, 4, 0.1, dtype, seed=2)
     odd = _adapter(transformer, layers, 3, 0.1, dtype, seed=3)  # 6 or 12 bytes a row: copied element by element
     partial = CanonicalAdapter(
@@ -187,13 +192,7 @@ def _assert_slot_holds(transformer, members) -> None:
     ],
 )
 def test_stacks_then_single_then_base_match_a_fresh_slot_bit_for_bit(dtype, stale_magnitude):
-    transformer, layers, slot = _denoiser_with_slot(dtype)
-    generator = torch.Generator().manual_seed(0)
-    x = {
-        name: (torch.randn(2, 3, transformer.get_submodule(name).in_features, generator=generator) * 4).to(dtype)
-        for name in layers
-    }
-    high = _adapter(transformer, layers, MAX_RANK, stale_magnitude, dtype, seed=1)
+    transformer, layers, slot, x, high = _stale_slot(dtype, stale_magnitude)
     half = len(layers) // 2
     # Overlapping on the middle layers only, ranks 3 + 8 + 4 + 1 = 16 where all four meet (placed by name).
     odd = _named(_adapter(transformer, layers, 3, 0.1, dtype, seed=3), "a-odd", layers[half - 2 :])

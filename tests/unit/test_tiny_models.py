@@ -13,7 +13,7 @@ from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusionXLPipeline
 
 from loraswap.server.engine.models import builtin_model
 
-# The small built-in models (the full-size random ones are tested in test_benchmarks.py).
+# The small built-in models (the full-size random ones are tested in tests/benchmarks/test_benchmarks.py).
 PIPELINE_CLASSES = {"shapes": FluxPipeline, "tiny-flux": FluxPipeline, "tiny-sdxl": StableDiffusionXLPipeline}
 MODELS = tuple(PIPELINE_CLASSES)
 DENOISER = {"shapes": "transformer", "tiny-flux": "transformer", "tiny-sdxl": "unet"}

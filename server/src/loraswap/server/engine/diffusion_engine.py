@@ -131,6 +131,11 @@ class DiffusionEngine:
             raise
 
     @property
+    def sources(self) -> AdapterSources:
+        """Where adapter names are resolved (the adapter directory and the Hub, or what the constructor was given)."""
+        return self._sources
+
+    @property
     def serving(self) -> bool:
         return self._runtime is not None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from benchmarks.lora_tax import FUSED_VARIANTS, VARIANTS
 
-from tests.unit.test_benchmarks import run_benchmark
+from tests.benchmarks.test_benchmarks import run_benchmark
 
 
 def test_lora_tax_benchmark_reports_every_variant_and_its_bucket(tmp_path):
