@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from loraswap.wire import (
+# Re-exported where clients found them before (loraswap.wire declares them); unused here, hence the noqa.
+from loraswap.wire import (  # noqa: F401
     CLIENT_KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,
     LORA_METADATA_KEY,
@@ -23,18 +24,7 @@ from loraswap.wire import (
     service_config_json,
 )
 
-__all__ = [
-    "CLIENT_KEEPALIVE_TIME_MS",
-    "KEEPALIVE_TIMEOUT_MS",
-    "LORA_METADATA_KEY",
-    "SERVER_KEEPALIVE_TIME_MS",
-    "SERVER_MIN_PING_INTERVAL_MS",
-    "TlsConfig",
-    "client_channel_options",
-    "open_channel",
-    "server_keepalive_options",
-    "service_config_json",
-]
+__all__ = ["TlsConfig", "client_channel_options", "open_channel"]
 
 
 def client_channel_options() -> list[tuple[str, int | str]]:
