@@ -77,7 +77,8 @@ def test_a_replica_killed_mid_stream_fails_only_its_own_calls_and_comes_back_to_
         assert call.ended - loss.killed_at <= INTER_S + 1.0, (call, figures)
         # HAProxy 2.6 ends a stream that had its answer's headers with an empty END_STREAM frame and no
         # grpc-status (gRPC: UNKNOWN), one that had none with RST_STREAM(REFUSED_STREAM) (gRPC: UNAVAILABLE).
-        answered = call.messages > 0 and call.code == "UNKNOWN" and "END_STREAM" in call.details
+        # The headers may have come before any whole message (seen once in CI: UNKNOWN after 0 messages).
+        answered = call.code == "UNKNOWN" and "END_STREAM" in call.details
         assert answered or (call.messages == 0 and call.code == "UNAVAILABLE"), call
     assert figures["failed_not_in_flight"] == 0, figures
     assert figures["calls_during"] >= 4, f"too few calls ran while the replica was down to tell anything: {figures}"
