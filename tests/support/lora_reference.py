@@ -48,6 +48,28 @@ def canonical_deltas(adapter) -> dict[str, torch.Tensor]:
     return {name: layer.b.float() @ layer.a.float() for name, layer in adapter.layers.items()}
 
 
+def change_deltas(adapter, spec, component: str) -> dict[str, torch.Tensor]:
+    """The dense change of each of the adapter's layers of `component` outside the slot, as (out, in * k)."""
+    deltas = {}
+    for (owner, module), change in adapter.changes.items():
+        if owner == component:
+            shape = spec.model_layers.shape(component, module).weight
+            deltas[module] = change.dense_delta(torch.device("cpu"), shape).reshape(shape[0], -1)
+    return deltas
+
+
+def kohya_text_encoder_mapping(spec, modules) -> dict[str, dict[str, list[tuple[str, slice]]]]:
+    """component -> kohya_deltas mapping of kohya text-encoder modules (`lora_te1_…`, `lora_te2_…`), resolved by
+    the model's own module paths."""
+    mapping: dict[str, dict[str, list[tuple[str, slice]]]] = {}
+    for kohya in modules:
+        prefix, flat = kohya[: len("lora_te1")], kohya[len("lora_te1_") :]
+        component = {"lora_te1": "text_encoder", "lora_te2": "text_encoder_2"}[prefix]
+        module = spec.model_layers.by_flat_name(component, flat)
+        mapping.setdefault(component, {})[kohya] = [(module, slice(None))]
+    return mapping
+
+
 def assert_same_deltas(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-6):
     assert actual.keys() == expected.keys()
     for name, delta in expected.items():

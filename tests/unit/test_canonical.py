@@ -190,7 +190,9 @@ def test_converts_to_the_slot_dtype(
     assert_same_deltas(canonical_deltas(adapter), expected, atol=atol)
 
 
-def test_text_encoder_layers_dropped_with_warning_or_refused(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
+def test_text_encoder_layers_applied_or_dropped_with_warning_or_refused(
+    specs: dict[str, SlotSpec], tmp_path: Path
+) -> None:
     generator = torch.Generator().manual_seed(2)
     text_encoder_layers = {}
     for projection in ("q_proj", "v_proj"):
@@ -198,20 +200,39 @@ def test_text_encoder_layers_dropped_with_warning_or_refused(specs: dict[str, Sl
         text_encoder_layers[f"{module}.lora_A.weight"] = torch.randn(4, 32, generator=generator)
         text_encoder_layers[f"{module}.lora_B.weight"] = torch.randn(32, 4, generator=generator)
     config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q"], init_lora_weights=False)
-    text_encoder_config = LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    text_encoder_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     path = _write_peft_flux(
         tmp_path, config, text_encoder_layers=text_encoder_layers, text_encoder_config=text_encoder_config
     )
 
     adapter = _load(path, specs["tiny-flux"])
     expected, reference = diffusers_deltas("tiny-flux", path)
-    assert any(isinstance(m, LoraLayer) for m in reference.text_encoder.modules()), "the text-encoder keys are real"
     assert_same_deltas(canonical_deltas(adapter), expected)
-    (warning,) = adapter.warnings
-    assert "text_encoder (4 tensors)" in warning
+    # Applied (the default): each text-encoder layer's change is what diffusers' own load gives that layer.
+    encoder_deltas = {}
+    for name, module in reference.text_encoder.named_modules():
+        if isinstance(module, LoraLayer):
+            (key,) = module.lora_A.keys()
+            encoder_deltas[name] = module.lora_B[key].weight @ module.lora_A[key].weight * module.scaling[key]
+    # PEFT targets q_proj/v_proj of every encoder layer; those the file has no factors for start at lora_B = 0.
+    encoder_deltas = {name: delta for name, delta in encoder_deltas.items() if delta.abs().max() > 0}
+    assert len(encoder_deltas) == 2, "the text-encoder keys are real"
+    changes = adapter.changes_in({"text_encoder"})
+    assert {module for _, module in changes} == set(encoder_deltas)
+    for (_, module), change in changes.items():
+        torch.testing.assert_close(change.dense_delta(torch.device("cpu"), tuple(encoder_deltas[module].shape)),
+                                   encoder_deltas[module], rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert adapter.warnings == () and adapter.layers_per_component("transformer") == {
+        "text_encoder": 2, "transformer": len(adapter.layers)
+    }  # fmt: skip
 
+    ignoring = dataclasses.replace(specs["tiny-flux"], text_encoder_layers="ignore")
+    dropped = _load(path, ignoring)
+    assert dropped.changes == {} and canonical_deltas(dropped).keys() == expected.keys()
+    (warning,) = dropped.warnings
+    assert "text_encoder (2 layers)" in warning
     with pytest.raises(AdapterIncompatibleError) as raised:
-        _load(path, dataclasses.replace(specs["tiny-flux"], strict=True))
+        _load(path, dataclasses.replace(ignoring, strict=True))
     assert raised.value.reason == "ADAPTER_TEXT_ENCODER_LAYERS"
 
 

@@ -79,7 +79,8 @@ def test_a_fused_adapter_writes_what_peft_merges(runtime, adapters, adapter_dir,
         fused.restore()
     expected = _peft_merged(adapter_dir, name, scale, list(runtime.residency.slot.layers))
     assert ours.keys() == expected.keys()
-    changed = [key for key in ours if not torch.equal(expected[key], fused.pristine.weights.get(key, expected[key]))]
+    pristine = {name: weight for (_, name), weight in fused.pristine.weights.items()}
+    changed = [key for key in ours if not torch.equal(expected[key], pristine.get(key, expected[key]))]
     assert changed, "the adapter must change some base weights"
     for key, weight in ours.items():
         torch.testing.assert_close(weight, expected[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -94,7 +95,7 @@ def test_a_stack_fuses_as_the_sum_of_its_members(runtime, adapters) -> None:
     for name, weight in stacked.items():
         if name.endswith(".bias"):
             continue
-        expected = fused.pristine.weights[name].clone()
+        expected = fused.pristine.weights["transformer", name].clone()
         for adapter, scale in members:
             layer = adapter.layers.get(name)
             if layer is not None:
@@ -120,7 +121,7 @@ def test_every_merge_starts_from_the_pristine_weights_so_repeats_are_bit_identic
     again = _base_weights(runtime.denoiser, layers)
     assert all(torch.equal(first[key], again[key]) for key in first)
     # A merge touches only its own layers' weights: the previous ones are restored, the rest never written.
-    assert fused.touched == frozenset(adapters["dora"].layers)
+    assert fused.touched == frozenset(("transformer", name) for name in adapters["dora"].layers)
     fused.restore()
     assert holds_pristine(fused)
 
@@ -218,6 +219,7 @@ def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_la
     """Rows do not mix in a merge: a layer merged in row blocks (CPU_SCRATCH_ELEMENTS) holds the bits of W0 + B A
     computed over the whole layer in float32 and rounded once, blocks of uneven size included."""
     from loraswap.server.engine.adapters.fused import CPU_SCRATCH_ELEMENTS, FusedWeights, PristineWeights
+    from loraswap.server.engine.adapters.model_layers import ModelLayers
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(1000, 1049, bias=False).to(torch.bfloat16)  # 1049 rows of 1000: 3 blocks, the last short
@@ -227,7 +229,8 @@ def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_la
     adapter = CanonicalAdapter(
         name="big", source="test", warnings=(), load_ms=0.0, layers={"big": CanonicalLayer(a=a, b=b)}
     )
-    fused = FusedWeights(PristineWeights({"big": layer}))
+    model_layers = ModelLayers.of({"denoiser": torch.nn.ModuleDict({"big": layer})})
+    fused = FusedWeights(PristineWeights(model_layers, keep=[("denoiser", "big")]), frozenset({"denoiser"}), "denoiser")
     fused.merge(((adapter, 0.75),))
     whole = torch.addmm(w0.float(), b.float() * 0.75, a.float()).to(torch.bfloat16)
     assert torch.equal(layer.weight, whole)

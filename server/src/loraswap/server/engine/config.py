@@ -36,6 +36,8 @@ DEFAULT_MAX_ADAPTER_BYTES = 2 * 1024**3
 # inductor for serving, cudagraphs for CUDA, eager and aot_eager to check compile paths quickly on CPU.
 COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
 DTYPES = ("float32", "float16", "bfloat16")
+# --text-encoder-layers: merge adapters' text-encoder layers into the text encoders, or drop them.
+TEXT_ENCODER_LAYER_POLICIES = ("apply", "ignore")
 
 _SPEC_KEY = "loraswap_setting"
 
@@ -165,8 +167,9 @@ class EngineConfig:
     )
     fuse_memory_bytes: int | None = setting(
         None,
-        "most bytes the pristine copies of the slot layers' base weights may take, on the model's device "
-        "(--fuse auto|always; default: on CUDA what the device has free after loading, less a tenth of its memory; on "
+        "most bytes the pristine copies of the base weights merges write may take, on the model's device: the slot "
+        "layers' (--fuse auto|always), taken at start-up, and those of any other layer an adapter changes, taken "
+        "at its first merge (default: on CUDA what the device has free after loading, less a tenth of its memory; on "
         "a CPU the host's available memory)",
         parse=int,
     )
@@ -193,8 +196,17 @@ class EngineConfig:
         "server accepts, beside those made for the model it serves",
         parse=names,
     )
+    text_encoder_layers: str = setting(
+        "apply",
+        "an adapter's text-encoder layers: apply (merged into the text encoders from pristine copies of the layers "
+        "they change, counted against --fuse-memory-bytes) or ignore (dropped with a warning)",
+        choices=TEXT_ENCODER_LAYER_POLICIES,
+    )
     strict_adapters: bool = setting(
-        False, "refuse adapters with text-encoder layers instead of dropping them", switch=True
+        False,
+        "refuse adapters with layers the server would drop (text-encoder layers under --text-encoder-layers ignore) "
+        "instead of dropping them",
+        switch=True,
     )
     max_adapter_bytes: int = setting(DEFAULT_MAX_ADAPTER_BYTES, "largest adapter file accepted", parse=int)
     adapter_cache_bytes: int = setting(
@@ -247,6 +259,11 @@ class EngineConfig:
             raise SettingsError(problem)
         if self.fuse not in FUSE_POLICIES:
             raise SettingsError(f"--fuse {self.fuse!r} is not one of {', '.join(FUSE_POLICIES)}")
+        if self.text_encoder_layers not in TEXT_ENCODER_LAYER_POLICIES:
+            raise SettingsError(
+                f"--text-encoder-layers {self.text_encoder_layers!r} is not one of "
+                f"{', '.join(TEXT_ENCODER_LAYER_POLICIES)}"
+            )
         if self.fuse == "always" and self.quantize != "none":
             raise SettingsError(
                 f"--fuse always merges adapters into the base weights, which --quantize {self.quantize} stores "

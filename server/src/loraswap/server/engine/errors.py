@@ -62,6 +62,8 @@ class ErrorReason(str, enum.Enum):
     ADMIN_REQUIRED = "ADMIN_REQUIRED"
     BASE_MODEL_MISMATCH = "BASE_MODEL_MISMATCH"
     ADAPTER_PINNED = "ADAPTER_PINNED"
+    ADAPTER_KIND_UNSUPPORTED = "ADAPTER_KIND_UNSUPPORTED"
+    FUSE_MEMORY_EXCEEDED = "FUSE_MEMORY_EXCEEDED"
 
     def __str__(self) -> str:
         # The wire string, on every Python version (3.10 would print "ErrorReason.NAME").

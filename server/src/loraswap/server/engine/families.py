@@ -12,6 +12,7 @@ them when called.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ class FamilyTraits:
     default_target_modules: tuple[str, ...]
     # Whether the denoiser runs convolutions (whose CPU kernel choice can split compiled graphs).
     convolutional_denoiser: bool
+    # The pipeline attributes of the text encoders, whose layers adapters may change too.
+    text_encoders: tuple[str, ...]
+    # kohya-style layer-name prefixes (sd-scripts, LyCORIS) this server reads itself -> the component they change
+    # (adapters/key_layouts.py); files in other layouts go through diffusers' converters.
+    kohya_prefixes: Mapping[str, str]
     # The published latent-to-RGB projection of the family's VAE latent space, for step previews
     # (engine/pipeline/previews.py); a built-in model with a VAE of its own records its own (models/registry.py).
     latent_rgb: LatentRgb
@@ -196,6 +202,9 @@ FLUX = _FluxTraits(
         "proj_mlp", "proj_out",
     ),
     convolutional_denoiser=False,
+    text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L, T5
+    # BFL-named `lora_unet_` files (fused qkv) are diffusers' to read.
+    kohya_prefixes={"lora_transformer": "transformer", "lycoris": "transformer", "lora_te1": "text_encoder"},
     latent_rgb=FLUX_LATENT_RGB,
 )  # fmt: skip
 SDXL = _SdxlTraits(
@@ -208,6 +217,11 @@ SDXL = _SdxlTraits(
         "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out",
     ),
     convolutional_denoiser=True,
+    text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L, CLIP-G
+    kohya_prefixes={
+        "lora_unet": "unet", "lycoris": "unet",
+        "lora_te": "text_encoder", "lora_te1": "text_encoder", "lora_te2": "text_encoder_2",
+    },
     latent_rgb=SDXL_LATENT_RGB,
 )  # fmt: skip
 

@@ -1,13 +1,13 @@
-"""Fused swaps: the resident adapters merged into the base weights of the slot layers they touch, exactly.
+"""Fused swaps: the resident adapters merged into the base weights of the layers they touch, exactly.
 
 With an adapter fused, each layer it changes holds W0 + sum_i s_i * B_i A_i in its own base weight
 (the very tensor the compiled graphs read, so addresses and CUDA graphs stay valid) and the LoRA
 branch is skipped as for the base model: a step costs what the base model's does.
 
 Exact by construction, whatever ran before:
-- every merge starts from the layer's pristine W0, a copy kept apart at start-up (`PristineWeights`),
-  never from a fused state and never by subtracting a previous merge (diffusers' fuse/unfuse drifts in
-  low precision with every round trip);
+- every merge starts from the layer's pristine W0, a copy kept apart (`PristineWeights`: the slot layers' at
+  start-up, any other layer's before the first merge that touches it), never from a fused state and never by
+  subtracting a previous merge (diffusers' fuse/unfuse drifts in low precision with every round trip);
 - the sum is accumulated in float32 and rounded once to the model's dtype;
 - changing adapters restores, from the pristine copy, only the layers the previous merge touched and the
   new one does not.
@@ -18,7 +18,12 @@ DoraLinearVariant.merge_unsafe; a stack adds each member's change to W0 as PEFT'
 several adapters active):
 - a LoRA: s * B A (canonical `b` has alpha/rank baked in);
 - a DoRA adapter: (m / ||W0 + s B A||_row) * (W0 + s B A) - W0, its magnitude m per output row;
-- a trained lora_B bias: s * bias, added to the layer's bias.
+- a trained lora_B bias: s * bias, added to the layer's bias;
+- any other change (a LyCORIS kind, a LoRA of a layer outside the slot, a text-encoder layer): its
+  `LayerChange.add_to` (weight_changes.py, the LyCORIS references' arithmetic), its bias likewise.
+
+One writer merges the denoiser's layers (fused swaps, --fuse auto|always), another the text encoders' (whenever a
+resident adapter changes them, fused or not); both draw on one PristineWeights, keyed by (component, module).
 
 A merge whose result is not finite in the model's dtype (an adapter overflowing it at this strength) is
 refused and leaves the base weights as they were before it.
@@ -32,7 +37,8 @@ from collections.abc import Iterable
 import torch
 
 from loraswap.server.engine.adapters.canonical import StackMember
-from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
+from loraswap.server.engine.adapters.model_layers import ModelLayers
+from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason, InvalidRequestError
 
 # On the CPU a layer is merged a block of rows at a time, in a float32 scratch of this many elements (2 MiB) that
 # stays in a core's cache: main memory then sees W0 read and the weight written once each, as a plain copy
@@ -40,62 +46,118 @@ from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
 # Rows do not mix in a merge, so the blocks write the bits a whole-layer merge writes. A GPU merges whole layers.
 CPU_SCRATCH_ELEMENTS = 1 << 19
 
+LayerKey = tuple[str, str]  # (component, module path)
+
+
+def _bytes_of(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (module.weight, module.bias) if t is not None)
+
 
 class PristineWeights:
-    """A copy of each slot layer's base weight (and bias), on the model's device, taken before any merge."""
+    """A copy of base weights (and biases), on the model's device, each taken while its layer still held W0.
 
-    def __init__(self, base_layers: dict[str, torch.nn.Module]) -> None:
-        self.layers = base_layers
-        self.weights = {name: layer.weight.detach().clone() for name, layer in base_layers.items()}
-        self.biases = {
-            name: layer.bias.detach().clone() for name, layer in base_layers.items() if layer.bias is not None
-        }
+    `keep` copies layers now (the slot layers, at start-up); `cover` copies, before a merge, the layers it will
+    touch that have none yet, within `budget_bytes` for all copies together (None: no limit).
+    """
 
-    @staticmethod
-    def bytes_needed(base_layers: dict[str, torch.nn.Module]) -> int:
-        """What the copies of these layers take, before taking them."""
-        return sum(
-            tensor.numel() * tensor.element_size()
-            for layer in base_layers.values()
-            for tensor in (layer.weight, layer.bias)
-            if tensor is not None
-        )
+    def __init__(
+        self, model_layers: ModelLayers, keep: Iterable[LayerKey] = (), budget_bytes: int | None = None
+    ) -> None:
+        self.model_layers = model_layers
+        self.budget_bytes = budget_bytes
+        self.layers: dict[LayerKey, torch.nn.Module] = {}
+        self.weights: dict[LayerKey, torch.Tensor] = {}
+        self.biases: dict[LayerKey, torch.Tensor] = {}
+        for key in keep:
+            self._copy(key)
+
+    def bytes_needed(self, keys: Iterable[LayerKey]) -> int:
+        """What copies of these layers take, before taking them."""
+        return sum(_bytes_of(self.model_layers.module(*key)) for key in set(keys))
+
+    def _copy(self, key: LayerKey) -> None:
+        layer = self.model_layers.module(*key)
+        self.layers[key] = layer
+        self.weights[key] = layer.weight.detach().clone()
+        if layer.bias is not None:
+            self.biases[key] = layer.bias.detach().clone()
+
+    def cover(self, keys: Iterable[LayerKey]) -> None:
+        """Copy the layers among `keys` that have no copy yet (they hold W0: no merge has touched them).
+
+        Raises:
+            AdapterTooLargeError: FUSE_MEMORY_EXCEEDED when the copies would pass the budget; nothing is copied.
+        """
+        missing = sorted(set(keys) - self.weights.keys())
+        if not missing:
+            return
+        needed = self.bytes_needed(missing)
+        if self.budget_bytes is not None and self.nbytes + needed > self.budget_bytes:
+            raise AdapterTooLargeError(
+                f"merging this stack first needs pristine copies of {len(missing)} more layer(s) ({needed} bytes) "
+                f"beside the {self.nbytes} bytes kept, more than the {self.budget_bytes} bytes of --fuse-memory-bytes "
+                "(or of what the device had free at start-up); raise --fuse-memory-bytes, or use adapters that "
+                "change fewer layers",
+                reason=ErrorReason.FUSE_MEMORY_EXCEEDED,
+                needed_bytes=needed,
+                budget_bytes=self.budget_bytes,
+            )
+        for key in missing:
+            self._copy(key)
 
     @property
     def nbytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in (*self.weights.values(), *self.biases.values()))
 
-    def weight_bytes(self, names: Iterable[str]) -> int:
+    def weight_bytes(self, keys: Iterable[LayerKey]) -> int:
         """Bytes of the named layers' base weights: what a merge into them reads and writes."""
-        return sum(self.weights[name].numel() * self.weights[name].element_size() for name in names)
+        weights = (self.model_layers.module(*key).weight for key in keys)
+        return sum(weight.numel() * weight.element_size() for weight in weights)
 
 
 class FusedWeights:
-    """Writes stacks into the slot layers' base weights from their pristine copies. Worker thread only."""
+    """Writes stacks into the base weights of `components` from their pristine copies. Worker thread only.
 
-    def __init__(self, pristine: PristineWeights) -> None:
+    `slot_component`: the component whose layers canonical adapters' `layers` (the slot's LoRA factors) name.
+    """
+
+    def __init__(self, pristine: PristineWeights, components: frozenset[str], slot_component: str) -> None:
         self.pristine = pristine
-        self._touched: set[str] = set()  # layers whose base weights hold a merge now
-        self._device = next(iter(pristine.weights.values())).device if pristine.weights else torch.device("cpu")
-        largest = max((weight.numel() for weight in pristine.weights.values()), default=0)
-        self._block = min(largest, CPU_SCRATCH_ELEMENTS) if self._device.type == "cpu" else largest
-        # One float32 scratch for the sum and one for DoRA's W0 + s BA: no allocation per layer and swap.
-        self._sum = torch.empty(largest, dtype=torch.float32, device=self._device)
+        self.components = components
+        self.slot_component = slot_component
+        self._touched: set[LayerKey] = set()  # layers whose base weights hold a merge now
+        self._slot_keys = tuple(key for key in pristine.weights if key[0] in components)
+        first = next(iter(pristine.model_layers.modules.values()), None)
+        self._device = first.weight.device if first is not None else torch.device("cpu")
+        # Float32 scratch for the sum (and for DoRA's W0 + s BA), grown to the largest layer merged: no
+        # allocation per layer and swap.
+        self._sum = torch.empty(0, dtype=torch.float32, device=self._device)
         self._dora = None  # made on the first DoRA merge
+        self._whole(max((pristine.weights[key].numel() for key in self._slot_keys), default=0))
+
+    def _whole(self, elements: int) -> torch.Tensor:
+        """A float32 scratch of at least `elements` (a whole layer's)."""
+        if self._sum.numel() < elements:
+            self._sum = torch.empty(elements, dtype=torch.float32, device=self._device)
+        return self._sum
 
     @property
-    def touched(self) -> frozenset[str]:
+    def touched(self) -> frozenset[LayerKey]:
         """The layers whose base weights hold a merge now."""
         return frozenset(self._touched)
 
+    def layers_of(self, members: Iterable[StackMember]) -> set[LayerKey]:
+        """The layers of these components a stack changes."""
+        return _layers_of(members, self.components, self.slot_component)
+
     def merge_bytes(self, members: Iterable[StackMember]) -> int:
         """Bytes of the base weights a merge of these members reads and writes."""
-        return self.pristine.weight_bytes(_layers_of(members))
+        return self.pristine.weight_bytes(self.layers_of(members))
 
     @property
     def all_weight_bytes(self) -> int:
         """Bytes of every slot layer's base weight: what a merge over all of them reads and writes."""
-        return self.pristine.weight_bytes(self.pristine.weights)
+        return self.pristine.weight_bytes(self._slot_keys)
 
     @torch.no_grad()
     def merge(self, members: tuple[StackMember, ...]) -> float:
@@ -104,20 +166,23 @@ class FusedWeights:
         Raises:
             InvalidRequestError: ADAPTER_OUT_OF_RANGE when a merged weight is not finite in the model's dtype;
                 the base weights then hold W0 on every layer (nothing is fused).
+            AdapterTooLargeError: FUSE_MEMORY_EXCEEDED when the pristine copies the merge needs pass their budget;
+                nothing has changed then.
         """
         started = time.perf_counter()
-        wanted = _layers_of(members)
-        for name in sorted(self._touched - wanted):
-            self._restore(name)
+        wanted = self.layers_of(members)
+        self.pristine.cover(wanted)
+        for key in sorted(self._touched - wanted):
+            self._restore(key)
         self._touched &= wanted
         try:
             finite = []
-            for name in sorted(wanted):
-                self._touched.add(name)
-                finite.append(self._merge_layer(name, members))
+            for key in sorted(wanted):
+                self._touched.add(key)
+                finite.append(self._merge_layer(key, members))
             # One check for every layer at the end (a device sync per layer would cost more than the merge).
             if finite and not bool(torch.stack(finite).all()):
-                bad = next(name for name, ok in zip(sorted(wanted), finite) if not bool(ok))
+                bad = next(key for key, ok in zip(sorted(wanted), finite) if not bool(ok))
                 raise _overflow_error(bad, members)
         except BaseException:
             self.restore()
@@ -128,56 +193,64 @@ class FusedWeights:
     def restore(self) -> float:
         """Every base weight back to its pristine W0; returns ms spent."""
         started = time.perf_counter()
-        for name in sorted(self._touched):
-            self._restore(name)
+        for key in sorted(self._touched):
+            self._restore(key)
         self._touched.clear()
         return (time.perf_counter() - started) * 1000.0
 
-    def _restore(self, name: str) -> None:
-        layer = self.pristine.layers[name]
-        layer.weight.copy_(self.pristine.weights[name])
+    def _restore(self, key: LayerKey) -> None:
+        layer = self.pristine.layers[key]
+        layer.weight.copy_(self.pristine.weights[key])
         if layer.bias is not None:
-            layer.bias.copy_(self.pristine.biases[name])
+            layer.bias.copy_(self.pristine.biases[key])
 
     def _factor(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self._device, non_blocking=True).to(torch.float32)
 
-    def _merge_layer(self, name: str, members: tuple[StackMember, ...]) -> torch.Tensor:
+    def _merge_layer(self, key: LayerKey, members: tuple[StackMember, ...]) -> torch.Tensor:
         """Write W0 + the members' changes into one layer's base weight (and bias); returns whether the result is
         finite, as a device tensor (read once for all layers)."""
-        layer = self.pristine.layers[name]
-        w0 = self.pristine.weights[name]
-        plain_b, plain_a, dora, biases = [], [], [], []
+        layer = self.pristine.layers[key]
+        w0 = self.pristine.weights[key]
+        plain_b, plain_a, dora, biases, changes = [], [], [], [], []
         for adapter, scale in members:
-            factors = adapter.layers.get(name)
-            if factors is None:
-                continue
-            if factors.magnitude is None:
-                plain_b.append(self._factor(factors.b) * scale)
-                plain_a.append(self._factor(factors.a))
-            else:
-                dora.append((factors, scale))
-            if factors.bias is not None:
-                biases.append((factors.bias, scale))
-        if not dora:
-            finite = self._merge_plain_rows(layer.weight, w0, plain_b, plain_a)
-            return self._merge_bias(name, layer, biases, finite)
-        merged = self._sum[: w0.numel()].view(w0.shape)
+            factors = adapter.layers.get(key[1]) if key[0] == self.slot_component else None
+            if factors is not None:
+                if factors.magnitude is None:
+                    plain_b.append(self._factor(factors.b) * scale)
+                    plain_a.append(self._factor(factors.a))
+                else:
+                    dora.append((factors, scale))
+                if factors.bias is not None:
+                    biases.append((factors.bias, scale))
+            change = adapter.changes.get(key)
+            if change is not None:
+                changes.append((change, scale))
+                if change.bias is not None:
+                    biases.append((change.bias, scale))
+        if not dora and not changes:
+            finite = self._merge_plain_rows(layer.weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1),
+                                            plain_b, plain_a)  # fmt: skip
+            return self._merge_bias(key, layer, biases, finite)
+        merged = self._whole(w0.numel())[: w0.numel()].view(w0.shape)
         merged.copy_(w0)
+        rows = merged.view(w0.shape[0], -1)
         if plain_b:
             # A sum of LoRAs is one LoRA of their factors side by side: one product for the whole stack.
-            merged.addmm_(torch.cat(plain_b, dim=1), torch.cat(plain_a, dim=0))
+            rows.addmm_(torch.cat(plain_b, dim=1), torch.cat(plain_a, dim=0))
         for factors, scale in dora:
             if self._dora is None or self._dora.numel() < w0.numel():
-                self._dora = torch.empty_like(self._sum)
-            directed = self._dora[: w0.numel()].view(w0.shape)
-            directed.copy_(w0)
+                self._dora = torch.empty(w0.numel(), dtype=torch.float32, device=self._device)
+            directed = self._dora[: w0.numel()].view(rows.shape)
+            directed.copy_(w0.view(rows.shape))
             directed.addmm_(self._factor(factors.b) * scale, self._factor(factors.a))
             norm = torch.linalg.vector_norm(directed, dim=1)
             directed.mul_((self._factor(factors.magnitude) / norm).unsqueeze(1))
-            merged.add_(directed).sub_(w0)
+            rows.add_(directed).sub_(w0.view(rows.shape))
+        for change, scale in changes:
+            change.add_to(merged, w0, scale)
         layer.weight.copy_(merged)
-        return self._merge_bias(name, layer, biases, _all_finite(layer.weight))
+        return self._merge_bias(key, layer, biases, _all_finite(layer.weight))
 
     def _merge_plain_rows(
         self, weight: torch.Tensor, w0: torch.Tensor, plain_b: list[torch.Tensor], plain_a: list[torch.Tensor]
@@ -186,11 +259,13 @@ class FusedWeights:
         W0 into float32, the product added there, rounded once into the weight. Returns whether it is finite."""
         b = torch.cat(plain_b, dim=1) if plain_b else None
         a = torch.cat(plain_a, dim=0) if plain_a else None
-        rows = max(1, self._block // w0.shape[1])
+        block_elements = min(w0.numel(), CPU_SCRATCH_ELEMENTS) if self._device.type == "cpu" else w0.numel()
+        rows = max(1, block_elements // w0.shape[1])
+        scratch = self._whole(rows * w0.shape[1])
         finite = []
         for start in range(0, w0.shape[0], rows):
             stop = min(w0.shape[0], start + rows)
-            block = self._sum[: (stop - start) * w0.shape[1]].view(stop - start, w0.shape[1])
+            block = scratch[: (stop - start) * w0.shape[1]].view(stop - start, w0.shape[1])
             block.copy_(w0[start:stop])
             if b is not None:
                 # A sum of LoRAs is one LoRA of their factors side by side: one product for the whole stack.
@@ -200,19 +275,24 @@ class FusedWeights:
             finite.append(_all_finite(written))  # the block is still in cache
         return torch.stack(finite).all()
 
-    def _merge_bias(self, name: str, layer: torch.nn.Module, biases: list, finite: torch.Tensor) -> torch.Tensor:
+    def _merge_bias(self, key: LayerKey, layer: torch.nn.Module, biases: list, finite: torch.Tensor) -> torch.Tensor:
         if biases and layer.bias is not None:
-            bias = self.pristine.biases[name].to(torch.float32)
+            bias = self.pristine.biases[key].to(torch.float32)
             for vector, scale in biases:
-                bias = bias + self._factor(vector) * scale
+                bias = bias + self._factor(vector).reshape(-1) * scale
             layer.bias.copy_(bias)
             finite = finite & _all_finite(layer.bias)
         return finite
 
 
-def _layers_of(members: Iterable[StackMember]) -> set[str]:
-    """The slot layers a stack changes."""
-    return {name for adapter, _ in members for name in adapter.layers}
+def _layers_of(members: Iterable[StackMember], components: frozenset[str], slot_component: str) -> set[LayerKey]:
+    """The layers of `components` a stack changes."""
+    keys = set()
+    for adapter, _ in members:
+        if slot_component in components:
+            keys.update((slot_component, module) for module in adapter.layers)
+        keys.update(key for key in adapter.changes if key[0] in components)
+    return keys
 
 
 def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
@@ -222,10 +302,11 @@ def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(tensor.sum(dtype=torch.float32))
 
 
-def _overflow_error(layer: str, members: tuple[StackMember, ...]) -> InvalidRequestError:
+def _overflow_error(key: LayerKey, members: tuple[StackMember, ...]) -> InvalidRequestError:
+    component, module = key
     return InvalidRequestError(
-        f"merging the adapter{'s' if len(members) > 1 else ''} into layer {layer} gives values the model's dtype "
-        "cannot hold; lower adapter_scale (or the stack's scales) or use another adapter",
+        f"merging the adapter{'s' if len(members) > 1 else ''} into layer {module} of the {component} gives values "
+        "the model's dtype cannot hold; lower adapter_scale (or the stack's scales) or use another adapter",
         reason=ErrorReason.ADAPTER_OUT_OF_RANGE,
         field="adapter_scale" if len(members) == 1 else "adapters",
     )

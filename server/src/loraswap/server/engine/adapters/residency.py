@@ -5,7 +5,11 @@ the LoRA slot, as swap_plan.py plans them, and every step pays the LoRA branch a
 bucket. Fused (with --fuse auto|always), the fused writer (fused.py) merges the stack into the base
 weights of the layers it touches, and the graphs compute at bucket 0, the base model's; the LoRA slot
 keeps whatever it held, so going back to that stack unfused later copies nothing. An adapter the slot
-cannot hold (DoRA, a trained bias, a rank above max rank) is only ever made resident fused.
+cannot hold (DoRA, a trained bias, a rank above max rank, another kind, a layer outside the slot) is only
+ever made resident fused.
+
+Text-encoder layers are merged into the text encoders by a writer of their own (`encoder_weights`), whichever
+way the denoiser's part is made resident, and before it: a merge that fails changes nothing else.
 
 Rank buckets (rank_buckets.py): the graphs compute with only the first `bucket` ranks of each slot
 layer, the smallest bucket at or above the resident stack's rank on its fullest layer; with nothing
@@ -25,6 +29,7 @@ import torch
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.adapters.fused import FusedWeights
+from loraswap.server.engine.adapters.model_layers import ModelLayers
 from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.adapters.swap_plan import SwapPlanner, fullest_layer, layer_ranks
 from loraswap.server.engine.types import ModelFamily
@@ -54,12 +59,16 @@ class AdapterResidency:
         slot: HotswapSlot,
         fused_weights: FusedWeights | None = None,
         device_cache: DeviceAdapterCache | None = None,
+        encoder_weights: FusedWeights | None = None,
     ) -> None:
-        """`fused_weights` (--fuse auto|always): merges into the base weights from their pristine copies;
-        `device_cache` (--device-adapter-bytes): device copies of hot adapters for the slot to copy from."""
+        """`fused_weights` (--fuse auto|always): merges into the denoiser's base weights from their pristine copies;
+        `device_cache` (--device-adapter-bytes): device copies of hot adapters for the slot to copy from;
+        `encoder_weights` (--text-encoder-layers apply): merges into the text encoders' weights."""
         self.slot = slot
         self.fused_weights = fused_weights
         self.device_cache = device_cache
+        self.encoder_weights = encoder_weights
+        self._in_encoders: tuple[StackMember, ...] = ()  # the members whose text-encoder changes are merged
         self.planner = SwapPlanner(slot.factor_views(), slot.max_rank, slot.rank_buckets, device_cache)
         self._in_slot: tuple[StackMember, ...] = ()  # what the LoRA slot holds, in stack_order
         self._slot_known = True  # False after a write failed part-way: then nothing is resident for sure
@@ -87,9 +96,18 @@ class AdapterResidency:
 
     def holds(self, members: Iterable[StackMember]) -> bool:
         """True when exactly these adapter objects are resident at these strengths, in any order, fused or not."""
+        members = stack_order(members)
+        if not same_members(self._encoder_part(members), self._in_encoders):
+            return False
         if self._fused is not None:
-            return same_members(stack_order(members), self._fused)
-        return self._slot_known and same_members(stack_order(members), self._in_slot)
+            return same_members(members, self._fused)
+        return self._slot_known and same_members(members, self._in_slot)
+
+    def _encoder_part(self, members: tuple[StackMember, ...]) -> tuple[StackMember, ...]:
+        """The members that change a text encoder (what the encoder writer holds when they are resident)."""
+        if self.encoder_weights is None:
+            return ()
+        return tuple(member for member in members if self.encoder_weights.layers_of((member,)))
 
     def needs_swap(self, members: tuple[StackMember, ...], fused: bool) -> bool:
         """Whether running `members` (fused or not) changes what is resident: other adapters, or the same in the
@@ -105,14 +123,25 @@ class AdapterResidency:
         their fullest layer (fused_weights must be set)."""
         members = tuple(members)
         fullest = fullest_layer(layer_ranks(adapter for adapter, _ in members))
-        return self.fused_weights.merge_bytes(members), fullest[1] if fullest is not None else 0
+        rank = fullest[1] if fullest is not None else 0
+        rank = max([rank] + [change.rank for adapter, _ in members for change in adapter.changes.values()])
+        return self.fused_weights.merge_bytes(members), rank
 
     @property
     def bucket(self) -> int:
         """The rank bucket the graphs compute at now; 0: the LoRA branch is skipped."""
         return self.slot.bucket
 
-    def spec(self, family: ModelFamily, dtype: torch.dtype, device: torch.device, *, strict: bool = False) -> SlotSpec:
+    def spec(
+        self,
+        family: ModelFamily,
+        dtype: torch.dtype,
+        device: torch.device,
+        model_layers: ModelLayers,
+        *,
+        strict: bool = False,
+        text_encoder_layers: str = "apply",
+    ) -> SlotSpec:
         """What an adapter must fit to be made resident here: swapped into the slot or, when fusing, fused."""
         base_layers = self.slot.base_layers()
         return SlotSpec(
@@ -125,6 +154,8 @@ class AdapterResidency:
             strict=strict,
             fuse=self.fused_weights is not None,
             biased_layers=frozenset(name for name, layer in base_layers.items() if layer.bias is not None),
+            model_layers=model_layers,
+            text_encoder_layers=text_encoder_layers if self.encoder_weights is not None else "ignore",
         )
 
     # -- swaps ----------------------------------------------------------------------------------------------
@@ -141,9 +172,10 @@ class AdapterResidency:
         members = stack_order(members)
         if self.holds(members) and (not members or fused == self.fused):
             return 0.0
+        spent_ms = self._merge_encoders(members)
         if fused and members:
-            return self._merge(members)
-        spent_ms = self._unmerge()
+            return spent_ms + self._merge(members)
+        spent_ms += self._unmerge()
         if not (self._slot_known and same_members(members, self._in_slot)):
             spent_ms += self._copy_in(members)
         return spent_ms
@@ -184,6 +216,16 @@ class AdapterResidency:
             self._fused = members
         finally:
             self._refresh_bucket()
+        return merge_ms
+
+    def _merge_encoders(self, members: tuple[StackMember, ...]) -> float:
+        """The members' text-encoder changes merged into the text encoders (none: W0 there)."""
+        wanted = self._encoder_part(members)
+        if same_members(wanted, self._in_encoders):
+            return 0.0
+        self._in_encoders = ()  # until the merge is done: a failed one leaves W0 everywhere
+        merge_ms = self.encoder_weights.merge(wanted)
+        self._in_encoders = wanted
         return merge_ms
 
     def _unmerge(self) -> float:

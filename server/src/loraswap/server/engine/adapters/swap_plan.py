@@ -190,7 +190,9 @@ class SwapPlanner:
         """The bucket the slot would compute these adapters at unfused; None when the slot cannot hold them (an
         adapter that only fuses, or summed ranks above max rank)."""
         adapters = [adapter for adapter, _ in members]
-        if any(layer.magnitude is not None or layer.bias is not None for a in adapters for layer in a.layers.values()):
+        if any(not adapter.fits_slot for adapter in adapters) or any(
+            layer.magnitude is not None or layer.bias is not None for a in adapters for layer in a.layers.values()
+        ):
             return None
         worst = fullest_layer(layer_ranks(adapters))
         rank = worst[1] if worst is not None else 0

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from loraswap.server.engine.adapters.model_layers import ModelLayers
 from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.compile_options import compile_mode_label
 from loraswap.server.engine.families import FamilyTraits
@@ -40,10 +41,11 @@ class LoadedModel:
 class InstalledSlot:
     """The slot phase's product: the swap slot on the denoiser's target layers, with its writers."""
 
-    residency: AdapterResidency  # the slot, the fused writer (--fuse auto|always) and the device hot set
+    residency: AdapterResidency  # the slot, the fused writers (denoiser, text encoders) and the device hot set
+    model_layers: ModelLayers  # every layer of the denoiser and text encoders a merge can reach
     target_layers: tuple[str, ...]
     device_adapter_bytes: int  # device memory for the hot set of adapters (CUDA only; else 0)
-    pristine_bytes: int = 0  # the pristine copies fused swaps merge from (--fuse auto|always; else 0)
+    pristine_bytes: int = 0  # the pristine copies taken at start-up (the slot layers', --fuse auto|always; else 0)
 
 
 @dataclass(frozen=True)

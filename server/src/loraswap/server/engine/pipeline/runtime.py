@@ -60,8 +60,9 @@ class DiffusionRuntime:
         self.residency: AdapterResidency = installed.residency
         self._runner = PipelineRunner(loaded, compiled)
         self._slot_spec = self.residency.spec(
-            loaded.traits.family, loaded.dtype, loaded.device, strict=config.strict_adapters
-        )
+            loaded.traits.family, loaded.dtype, loaded.device, installed.model_layers,
+            strict=config.strict_adapters, text_encoder_layers=config.text_encoder_layers,
+        )  # fmt: skip
         self._fuse_choices: dict[tuple, bool] = {}  # auto's choice per request, kept (see fuse_choice)
         self._static_facts = _static_facts(config, loaded, installed, weights, compiled, self._slot_spec)
         self.snapshot = self._take_snapshot()

@@ -22,6 +22,7 @@ import torch
 
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
+from loraswap.server.engine.adapters.model_layers import ModelLayers
 from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.adapters.slot import HotswapSlot
 from loraswap.server.engine.compile_options import effective_compile_mode, resolve_compile_kind
@@ -177,46 +178,68 @@ def load(config: EngineConfig) -> LoadedModel:
 
 
 def install_slot(config: EngineConfig, loaded: LoadedModel) -> InstalledSlot:
-    """The swap slot on the target layers at max rank, its pristine copies (when fusing) and (CUDA) the device hot
-    set of adapters."""
+    """The swap slot on the target layers at max rank, the writers that merge into base weights from pristine
+    copies (the denoiser's when fusing, the text encoders' when their layers are applied) and (CUDA) the device
+    hot set of adapters."""
     denoiser = loaded.denoiser
+    # Every mergeable layer, read before the slot wraps any: adapter files resolve against these paths.
+    model_layers = ModelLayers.of({
+        loaded.traits.denoiser_attribute: denoiser,
+        **{name: getattr(loaded.pipe, name) for name in loaded.traits.text_encoders
+           if isinstance(getattr(loaded.pipe, name, None), torch.nn.Module)},
+    })  # fmt: skip
     patterns = config.target_modules or loaded.traits.default_target_modules
     target_layers = resolve_target_layers(denoiser, tuple(patterns))
     slot = HotswapSlot.install(
         denoiser, target_layers, config.max_rank, loaded.dtype, loaded.device,
         resolve_rank_buckets(config.rank_buckets, config.max_rank),
     )  # fmt: skip
-    fused_weights = _keep_pristine_weights(config, loaded, slot) if config.fuses else None
+    pristine = _keep_pristine_weights(config, loaded, model_layers, target_layers)
+    component = loaded.traits.denoiser_attribute
+    fused_weights = FusedWeights(pristine, frozenset({component}), component) if config.fuses else None
+    encoders = frozenset(model_layers.components) - {component}
+    encoder_weights = (
+        FusedWeights(pristine, encoders, component) if config.text_encoder_layers == "apply" and encoders else None
+    )
     # CUDA only: cached adapters are pinned (SlotSpec.pin_memory) and hot ones kept on the device.
     device_adapter_bytes = config.device_adapter_bytes if loaded.device.type == "cuda" else 0
     device_cache = DeviceAdapterCache(device_adapter_bytes, loaded.device) if device_adapter_bytes else None
     if config.device_adapter_bytes and device_cache is None:
         log.info("--device-adapter-bytes: adapters are copied from host memory on %s, no hot set", loaded.device)
     return InstalledSlot(
-        residency=AdapterResidency(slot, fused_weights, device_cache),
+        residency=AdapterResidency(slot, fused_weights, device_cache, encoder_weights),
+        model_layers=model_layers,
         target_layers=tuple(target_layers),
         device_adapter_bytes=device_adapter_bytes,
-        pristine_bytes=fused_weights.pristine.nbytes if fused_weights is not None else 0,
+        pristine_bytes=pristine.nbytes,
     )
 
 
-def _keep_pristine_weights(config: EngineConfig, loaded: LoadedModel, slot: HotswapSlot) -> FusedWeights:
-    """Copy the slot layers' base weights apart, for fused swaps to merge from (adapters/fused.py).
+def _keep_pristine_weights(
+    config: EngineConfig, loaded: LoadedModel, model_layers: ModelLayers, target_layers: list[str]
+) -> PristineWeights:
+    """The pristine copies merges start from (adapters/fused.py): the slot layers' base weights now when fusing,
+    any other layer's at the first merge that changes it, all within one budget.
 
     Raises:
-        StartupError: the copies do not fit in --fuse-memory-bytes (or, unset, in what the device has free).
+        StartupError: the slot layers' copies do not fit in --fuse-memory-bytes (or, unset, in what the device has
+            free).
     """
-    base_layers = slot.base_layers()
-    needed = PristineWeights.bytes_needed(base_layers)
     budget = config.fuse_memory_bytes if config.fuse_memory_bytes is not None else _free_bytes(loaded.device)
+    if not config.fuses:
+        return PristineWeights(model_layers, budget_bytes=budget)
+    slot_keys = [(loaded.traits.denoiser_attribute, name) for name in target_layers]
+    pristine = PristineWeights(model_layers, budget_bytes=budget)
+    needed = pristine.bytes_needed(slot_keys)
     if budget is not None and needed > budget:
         source = "--fuse-memory-bytes" if config.fuse_memory_bytes is not None else f"what {loaded.device} has free"
         raise StartupError(
-            f"--fuse {config.fuse} keeps a pristine copy of the {len(base_layers)} slot layers' base weights, "
+            f"--fuse {config.fuse} keeps a pristine copy of the {len(slot_keys)} slot layers' base weights, "
             f"{needed} bytes, more than {source} ({budget} bytes); raise --fuse-memory-bytes, cover fewer layers "
             "with --target-modules, or use --fuse never"
         )
-    return FusedWeights(PristineWeights(base_layers))
+    pristine.cover(slot_keys)
+    return pristine
 
 
 def _free_bytes(device: torch.device) -> int | None:
