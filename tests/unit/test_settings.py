@@ -41,6 +41,8 @@ OPTIONS = [
     ("--quantize", "LORASWAP_QUANTIZE", "int8wo", Settings(engine=_engine(quantize="int8wo"))),
     ("--fuse", "LORASWAP_FUSE", "always", Settings(engine=_engine(fuse="always"))),
     ("--fuse-memory-bytes", "LORASWAP_FUSE_MEMORY_BYTES", "4000", Settings(engine=_engine(fuse_memory_bytes=4000))),
+    ("--text-encoder-layers", "LORASWAP_TEXT_ENCODER_LAYERS", "ignore",
+     Settings(engine=_engine(text_encoder_layers="ignore"))),
     ("--compile-cache", "LORASWAP_COMPILE_CACHE", "/var/cache/loraswap",
      Settings(engine=_engine(compile_cache=Path("/var/cache/loraswap")))),
     ("--device", "LORASWAP_DEVICE", "cuda:1", Settings(engine=_engine(device="cuda:1"))),

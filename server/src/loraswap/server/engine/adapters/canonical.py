@@ -42,7 +42,13 @@ from dataclasses import dataclass, field
 import torch
 
 from loraswap.server.engine.adapters.base_model import BaseModelPolicy
-from loraswap.server.engine.adapters.key_layouts import FileLayer, file_layers, holds_lycoris_kinds, kohya_style_keys
+from loraswap.server.engine.adapters.key_layouts import (
+    FileLayer,
+    file_layers,
+    holds_lycoris_kinds,
+    kohya_style_keys,
+    refuse_unsupported_kinds,
+)
 from loraswap.server.engine.adapters.lora_config import layer_scalings
 from loraswap.server.engine.adapters.lycoris_layers import ReadLayer, read_layers
 from loraswap.server.engine.adapters.model_layers import ModelLayers
@@ -620,8 +626,9 @@ def load_canonical(
     raw, metadata = read_adapter_file(adapter_file)
     if not raw:
         raise AdapterFormatError(f"adapter {shorten(adapter_file.name)!r} holds no tensors")
-    _check_tensors(raw)
     kohya_keys = kohya_style_keys(raw, FAMILIES[spec.family].kohya_prefixes)
+    refuse_unsupported_kinds({key: raw[key] for key in kohya_keys})  # first: a kind's own tensors may be scalars
+    _check_tensors(raw)
     read = _read_kohya_layout({key: raw[key] for key in kohya_keys}, spec) if kohya_keys else None
     others = {key: value for key, value in raw.items() if key not in kohya_keys}
     if others:  # another layout (or, for Flux, BFL-named `lora_unet_` layers beside kohya text-encoder ones)

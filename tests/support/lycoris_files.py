@@ -1,0 +1,119 @@
+"""LyCORIS adapter files written by the LyCORIS package's own kohya network (lycoris-lora), on the tiny SDXL model,
+and that network's forward as the reference the server's merges must equal.
+
+The network is the one sd-scripts trains with (`lycoris.kohya`): layer names `lora_unet_<diffusers module path>`,
+`lora_te1_…`, `lora_te2_…`. Its factors start at zero change, so every trainable tensor is drawn at random (DoRA
+magnitudes scaled around their trained start) before the file is saved.
+
+The reference is each LyCORIS module's own forward (the network applied to a fresh pipeline): never the package's
+`merge_to` / `get_merged_weight`, which scale LoHa and LoKr by alpha / rank twice in 4.1.3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# What the test network covers: every module kind a merge reaches in the UNet (attention projections, the resnets'
+# 3x3 and 1x1 convs and time_emb_proj, the samplers, conv_in/conv_out, the time and conditioning embeddings) and
+# both CLIP text encoders' attention and MLP layers. (LyCORIS's own "full" preset names time_embedding twice on a
+# diffusers UNet, which its network refuses.)
+TEST_PRESET = {
+    "enable_conv": True,
+    "unet_target_module": ["Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D"],
+    "unet_target_name": [
+        "conv_in", "conv_out", "time_embedding.linear_1", "time_embedding.linear_2",
+        "add_embedding.linear_1", "add_embedding.linear_2",
+    ],
+    "text_encoder_target_module": ["CLIPAttention", "CLIPMLP"],
+    "text_encoder_target_name": [],
+}  # fmt: skip
+PRESET_NAME = "loraswap-tests"
+
+# name -> create_network keywords: one file per kind and variant the server merges.
+KINDS = {
+    "loha": dict(algo="loha"),
+    "loha-tucker": dict(algo="loha", use_tucker=True),
+    "lokr": dict(algo="lokr", factor=4),
+    "lokr-whole": dict(algo="lokr", factor=4, full_matrix=True),  # both factors whole: alpha must not scale them
+    "locon": dict(algo="locon"),
+    "locon-tucker": dict(algo="locon", use_tucker=True),
+    "full": dict(algo="full"),
+    "dora": dict(algo="lora", dora_wd=True),
+    "loha-dora": dict(algo="loha", dora_wd=True),
+}
+# Kinds the server refuses, as LyCORIS writes them.
+UNSUPPORTED_KINDS = {"diag-oft": dict(algo="diag-oft"), "ia3": dict(algo="ia3")}  # (BOFT cannot factor the tiny widths)
+
+
+def _use_preset(preset: dict) -> None:
+    from lycoris.config import PRESET
+    from lycoris.kohya import LycorisNetworkKohya
+
+    PRESET[PRESET_NAME] = preset
+    LycorisNetworkKohya.apply_preset(preset)
+
+
+def _text_encoders(pipe) -> list[torch.nn.Module]:
+    return [pipe.text_encoder, pipe.text_encoder_2]
+
+
+def write_lycoris_file(
+    path: Path, kind: dict, *, seed: int, std: float = 0.3, rank: int = 4, alpha: float = 2.0,
+    text_encoders: bool = True, preset: dict = TEST_PRESET,
+) -> Path:  # fmt: skip
+    """Write one LyCORIS file of `kind` (create_network keywords) for a fresh tiny-sdxl build; returns its path."""
+    from lycoris.kohya import create_network
+
+    from loraswap.server.engine.models import builtin_model
+
+    _use_preset(preset)
+    pipe = builtin_model("tiny-sdxl").build()
+    encoders = _text_encoders(pipe) if text_encoders else None
+    network = create_network(
+        1.0, rank, alpha, None, encoders, pipe.unet, preset=PRESET_NAME, conv_dim=rank, conv_alpha=alpha, **kind
+    )
+    network.apply_to(encoders, pipe.unet, text_encoders, True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in network.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith("dora_scale"):
+                parameter.mul_(1 + 0.2 * noise)
+            elif name.endswith(("diff", "diff_b")):
+                parameter.add_(0.1 * std * noise)
+            else:
+                parameter.copy_(std * noise)
+    network.save_weights(str(path), torch.float32, None)
+    return path
+
+
+def applied_network(path: Path, pipe, multiplier: float, preset: dict = TEST_PRESET):
+    """The LyCORIS network of the file applied to `pipe` (its modules' forwards now compute the adapter)."""
+    from lycoris.kohya import create_network_from_weights
+
+    _use_preset(preset)
+    network, _ = create_network_from_weights(multiplier, str(path), None, _text_encoders(pipe), pipe.unet)
+    network.apply_to(_text_encoders(pipe), pipe.unet, True, True)
+    return network
+
+
+COMPONENT_OF_PREFIX = {"lora_unet": "unet", "lora_te1": "text_encoder", "lora_te2": "text_encoder_2"}
+
+
+def network_modules(network, pipe) -> dict[tuple[str, str], torch.nn.Module]:
+    """(component, module path) -> the original module each LyCORIS module of the network wraps."""
+    paths = {
+        id(module): (component, name)
+        for component in COMPONENT_OF_PREFIX.values()
+        for name, module in getattr(pipe, component).named_modules()
+    }
+    return {paths[id(lora.org_module[0])]: lora.org_module[0] for lora in network.unet_loras + network.text_encoder_loras}
+
+
+def probe(module: torch.nn.Module, generator: torch.Generator) -> torch.Tensor:
+    """A random input for a linear or conv module."""
+    if isinstance(module, torch.nn.Linear):
+        return torch.randn(3, module.in_features, generator=generator)
+    return torch.randn(1, module.in_channels, 6, 6, generator=generator)
