@@ -38,7 +38,9 @@ def _reply_messages() -> set[str]:
         if message.full_name in found:
             continue
         found.add(message.full_name)
-        pending += [field.message_type for field in message.fields if field.message_type is not None]
+        # A map's entries are plain keys and values, converted as a dict on both sides (wire.is_map).
+        pending += [field.message_type for field in message.fields
+                    if field.message_type is not None and not field.message_type.GetOptions().map_entry]  # fmt: skip
     return found
 
 

@@ -68,6 +68,11 @@ def service_config_json() -> str:
     return resources.files("loraswap.v1").joinpath("service_config.json").read_text(encoding="utf-8")
 
 
+def is_map(descriptor: FieldDescriptor) -> bool:
+    """Whether a field is a `map<K, V>` (a repeated entry message on the wire)."""
+    return descriptor.message_type is not None and descriptor.message_type.GetOptions().map_entry
+
+
 def is_repeated(descriptor: FieldDescriptor) -> bool:
     """Whether a field is repeated, on protobuf runtimes before and after `label` gave way to `is_repeated`."""
     if hasattr(descriptor, "is_repeated"):

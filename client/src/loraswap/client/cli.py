@@ -253,6 +253,7 @@ def _image_summary(image: GeneratedImage, output: Path) -> dict[str, object]:
         "adapter_scale": image.adapter_scale,
         "adapters": [dataclasses.asdict(applied) for applied in image.adapters],
         "fused": image.fused,
+        "changed_components": list(image.changed_components),
         "width": image.width,
         "height": image.height,
         "mime_type": image.mime_type,

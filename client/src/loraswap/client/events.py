@@ -18,7 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from loraswap.v1 import diffusion_service_pb2 as pb
-from loraswap.wire import is_repeated
+from loraswap.wire import is_map, is_repeated
 
 __all__ = [
     "AdapterInfo",
@@ -150,6 +150,8 @@ class GeneratedImage:
     adapters: tuple[StackedAdapter, ...] = ()
     # The adapters were merged into the base weights for this image (the server's --fuse), not run in its slot.
     fused: bool = False
+    # The pipeline components the adapters changed (the denoiser, text encoders whose layers were merged), sorted.
+    changed_components: tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, message: pb.Image) -> GeneratedImage:
@@ -227,6 +229,9 @@ class AdapterInfo:
     load_ms: float
     warnings: tuple[str, ...]
     pinned: bool = False  # kept out of the server's LRU eviction (--pin)
+    kinds: tuple[str, ...] = ()  # the kinds of weight change it makes: lora, dora, loha, lokr, full, ...
+    component_layers: dict[str, int] = field(default_factory=dict)  # component -> layers it changes there
+    must_fuse: bool = False  # only a fused swap can apply it (a --fuse never server refuses it)
 
     @classmethod
     def from_pb(cls, message: pb.AdapterInfo) -> AdapterInfo:
@@ -363,6 +368,8 @@ def _from_message(cls: type[_Record], message: Message) -> _Record:
         read = WIRE_VALUES.get((cls, item.name))
         if read is not None:
             values[item.name] = read(getattr(message, wire_name))
+        elif is_map(descriptor):
+            values[item.name] = dict(sorted(getattr(message, wire_name).items()))
         elif is_repeated(descriptor):
             values[item.name] = tuple(_wire_value(descriptor, element) for element in getattr(message, wire_name))
         elif descriptor.message_type is None and descriptor.has_presence and not message.HasField(wire_name):

@@ -313,10 +313,11 @@ class DiffusionEngine:
         adapter = entry.adapter
         # The worker's last snapshot: the event loop never reads the slot itself.
         resident = self._runtime is not None and any(adapter is member for member in self._runtime.snapshot.resident)
+        denoiser = self._slot_spec.denoiser if self._slot_spec is not None else ""
         return AdapterSummary(
             id=name,
             rank=adapter.rank,
-            target_layers=tuple(adapter.layers),
+            target_layers=tuple(adapter.layers) + tuple(sorted(module for module, _ in adapter.changes_in({denoiser}))),
             bytes=adapter.nbytes,
             source=adapter.source,
             hits=entry.hits,
@@ -325,6 +326,9 @@ class DiffusionEngine:
             load_ms=adapter.load_ms,
             warnings=adapter.warnings,
             pinned=self._cache.is_pinned(name),
+            kinds=adapter.kinds,
+            component_layers=adapter.layers_per_component(denoiser),
+            must_fuse=not adapter.fits_slot,
         )
 
     # -- facts ------------------------------------------------------------------------------------------

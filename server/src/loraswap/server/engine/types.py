@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -191,6 +192,7 @@ class GeneratedImage:
     warnings: tuple[str, ...] = ()
     adapters: tuple[StackedAdapter, ...] = ()  # every adapter applied, as in GenerationParams
     fused: bool = False  # the adapters were merged into the base weights (--fuse), not run in the swap slot
+    changed_components: tuple[str, ...] = ()  # the denoiser and any text encoder the adapters changed, sorted
 
 
 GenerationEvent = Queued | StepProgress | GeneratedImage
@@ -211,6 +213,9 @@ class AdapterSummary:
     load_ms: float
     warnings: tuple[str, ...] = ()
     pinned: bool = False  # kept out of LRU eviction (--pin)
+    kinds: tuple[str, ...] = ()  # the kinds of weight change it makes (lora, dora, loha, lokr, full, ...)
+    component_layers: Mapping[str, int] = field(default_factory=dict)  # component -> layers it changes there
+    must_fuse: bool = False  # only a fused swap can apply it
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from loraswap.server.engine.types import (
     Timings,
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
-from loraswap.wire import LORA_METADATA_KEY, is_repeated
+from loraswap.wire import LORA_METADATA_KEY, is_map, is_repeated
 
 _IMAGE_FORMAT_FROM_PB = {
     pb.IMAGE_FORMAT_UNSPECIFIED: ImageFormat.PNG,
@@ -151,7 +151,9 @@ def to_pb(record: object) -> Message:
         value = compute(record) if compute is not None else getattr(record, descriptor.name)
         if value is None:
             continue
-        if descriptor.message_type is not None:
+        if is_map(descriptor):
+            value = dict(value)
+        elif descriptor.message_type is not None:
             value = [to_pb(item) for item in value] if is_repeated(descriptor) else to_pb(value)
         elif is_repeated(descriptor):
             value = list(value)

@@ -182,7 +182,16 @@ class DiffusionRuntime:
             data=run.data, image_format=params.image_format, width=run.width, height=run.height, seed=params.seed,
             adapter=params.adapter, adapter_scale=params.adapter_scale, adapters=params.adapters,
             fused=self.residency.fused, timings=timings, warnings=warnings,
+            changed_components=self._changed_components(stack),
         )  # fmt: skip
+
+    def _changed_components(self, stack: tuple[StackMember, ...]) -> tuple[str, ...]:
+        """The pipeline components the stack's adapters change (the denoiser's slot layers included), sorted."""
+        denoiser = self._slot_spec.denoiser
+        components = {component for adapter, _ in stack for component, _ in adapter.changes}
+        if any(adapter.layers for adapter, _ in stack):
+            components.add(denoiser)
+        return tuple(sorted(components))
 
     def _swap_in(
         self, stack: tuple[StackMember, ...], params: GenerationParams, fused: bool, *, merges: bool
