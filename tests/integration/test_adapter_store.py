@@ -264,23 +264,40 @@ async def test_concurrent_first_requests_load_an_adapter_once(client):
     assert (await client.preload_adapter("third")).already_cached
 
 
-async def test_text_encoder_layers_are_dropped_with_a_warning_in_preload_and_image(client):
+async def test_text_encoder_layers_are_applied_and_reported_in_preload_listing_and_image(client):
     preloaded = await client.preload_adapter("with-text-encoder")
-    (warning,) = preloaded.adapter.warnings
-    assert "text_encoder" in warning and "ignored" in warning
-    assert all(layer.endswith("to_q") for layer in preloaded.adapter.target_layers)
+    assert preloaded.adapter.warnings == ()
+    assert preloaded.adapter.component_layers["text_encoder"] > 0 and "transformer" in preloaded.adapter.component_layers
+    (listed,) = [adapter for adapter in (await client.list_adapters()).adapters if adapter.id == "with-text-encoder"]
+    assert listed.component_layers == preloaded.adapter.component_layers and listed.kinds == ("lora",)
     image = await client.generate_image("a bridge", adapter="with-text-encoder", seed=1, num_inference_steps=2)
-    assert image.warnings == (warning,)
-    # In a stack, the same warning names the member it is about.
-    stacked = await client.generate_image(
-        "a bridge", adapters=[("third", 0.5), ("with-text-encoder", 1.0)], seed=1, num_inference_steps=2
-    )
-    assert stacked.warnings == (f"with-text-encoder: {warning}",)
+    assert image.warnings == () and image.changed_components == ("text_encoder", "transformer")
+    base = await client.generate_image("a bridge", seed=1, num_inference_steps=2)
+    assert base.changed_components == ()
+
+
+async def test_ignored_text_encoder_layers_are_dropped_with_a_warning_in_preload_and_image(store_dir):
+    async with (
+        serving("tiny-flux", store_dir, compile=False, text_encoder_layers="ignore") as running,
+        client_of(running, default_timeout=60) as client,
+    ):
+        preloaded = await client.preload_adapter("with-text-encoder")
+        (warning,) = preloaded.adapter.warnings
+        assert "text_encoder" in warning and "ignored" in warning
+        assert all(layer.endswith("to_q") for layer in preloaded.adapter.target_layers)
+        assert set(preloaded.adapter.component_layers) == {"transformer"}
+        image = await client.generate_image("a bridge", adapter="with-text-encoder", seed=1, num_inference_steps=2)
+        assert image.warnings == (warning,) and image.changed_components == ("transformer",)
+        # In a stack, the same warning names the member it is about.
+        stacked = await client.generate_image(
+            "a bridge", adapters=[("third", 0.5), ("with-text-encoder", 1.0)], seed=1, num_inference_steps=2
+        )
+        assert stacked.warnings == (f"with-text-encoder: {warning}",)
 
 
 async def test_strict_adapters_refuse_text_encoder_layers(store_dir):
     async with (
-        serving("tiny-flux", store_dir, compile=False, strict_adapters=True) as running,
+        serving("tiny-flux", store_dir, compile=False, strict_adapters=True, text_encoder_layers="ignore") as running,
         client_of(running, default_timeout=60) as client,
     ):
         with pytest.raises(LoraswapError) as caught:

@@ -89,13 +89,14 @@ def write_lycoris_file(
     return path
 
 
-def applied_network(path: Path, pipe, multiplier: float, preset: dict = TEST_PRESET):
-    """The LyCORIS network of the file applied to `pipe` (its modules' forwards now compute the adapter)."""
+def applied_network(path: Path, pipe, multiplier: float, preset: dict = TEST_PRESET, *, text_encoders: bool = True):
+    """The LyCORIS network of the file applied to `pipe` (its modules' forwards now compute the adapter);
+    `text_encoders=False` applies its UNet layers only."""
     from lycoris.kohya import create_network_from_weights
 
     _use_preset(preset)
     network, _ = create_network_from_weights(multiplier, str(path), None, _text_encoders(pipe), pipe.unet)
-    network.apply_to(_text_encoders(pipe), pipe.unet, True, True)
+    network.apply_to(_text_encoders(pipe), pipe.unet, text_encoders, True)
     return network
 
 

@@ -63,3 +63,20 @@ class DiffusersReference:
             generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **kwargs,
         )  # fmt: skip
         return np.asarray(result.images[0].convert("RGB")).astype(np.int32)
+
+
+class LycorisReference(DiffusersReference):
+    """Images from a fresh plain-diffusers pipeline with a LyCORIS file applied by the LyCORIS package's own
+    network (tests/support/lycoris_files.py): its modules' forwards compute the adapter at `scale`."""
+
+    def lycoris_image(self, name: str, scale: float, *, prompt: str, seed: int, steps: int, guidance: float,
+                      text_encoders: bool = True, preset: dict | None = None) -> np.ndarray:  # fmt: skip
+        from tests.support.lycoris_files import TEST_PRESET, applied_network
+
+        key = ("lycoris", name, scale, prompt, seed, steps, guidance, text_encoders)
+        if key not in self._cache:
+            pipe = self._pipeline()
+            path = self.adapter_dir / f"{name}.safetensors"
+            applied_network(path, pipe, scale, preset or TEST_PRESET, text_encoders=text_encoders)
+            self._cache[key] = self._run(pipe, {}, prompt, seed, steps, guidance, 64, 64)
+        return self._cache[key]

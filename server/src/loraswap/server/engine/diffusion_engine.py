@@ -317,7 +317,7 @@ class DiffusionEngine:
         return AdapterSummary(
             id=name,
             rank=adapter.rank,
-            target_layers=tuple(adapter.layers) + tuple(sorted(module for module, _ in adapter.changes_in({denoiser}))),
+            target_layers=tuple(adapter.layers) + tuple(sorted(module for _, module in adapter.changes_in({denoiser}))),
             bytes=adapter.nbytes,
             source=adapter.source,
             hits=entry.hits,
