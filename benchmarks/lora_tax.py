@@ -124,7 +124,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
     """Build the three copies, compile each, then time every variant interleaved; one result dict."""
     import torch
 
-    from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
+    from loraswap.server.engine.adapters.fused import FusedWeights
     from loraswap.server.engine.adapters.residency import AdapterResidency
     from loraswap.server.engine.adapters.slot import HotswapSlot
     from loraswap.server.engine.pipeline.compile import CountingBackend
@@ -150,7 +150,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
         for module in copies.values():
             quantize_denoiser(module, quantization)
     # What --fuse auto|always keeps at start-up (weights not quantized): the slot layers' W0, apart, to merge from.
-    fused = FusedWeights(PristineWeights(installed.base_layers())) if quantization == "none" else None
+    fused = FusedWeights.over_layers("denoiser", installed.base_layers()) if quantization == "none" else None
     slot = AdapterResidency(installed, fused)
     adapters = {rank: _random_adapter(base, layer_names, rank, seed=rank) for rank in ADAPTER_RANKS}
     counters = {}

@@ -190,6 +190,7 @@ class SwapBench:
         self.pipe = pipe
         self.family = traits.family
         self.denoiser = traits.denoiser(pipe)
+        self.component = traits.denoiser_attribute
         self.layer_names = layer_names
         self.max_rank = max_rank
         self.repeats = repeats
@@ -291,15 +292,20 @@ class SwapBench:
         import torch
 
         from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
+        from loraswap.server.engine.adapters.model_layers import ModelLayers
         from loraswap.server.engine.adapters.residency import AdapterResidency
         from loraswap.server.engine.adapters.slot import HotswapSlot
 
+        model_layers = ModelLayers.of({self.component: self.denoiser})  # before the slot wraps its layers
         started = time.perf_counter()
         slot = HotswapSlot.install(self.denoiser, self.layer_names, self.max_rank, self.dtype, torch.device("cpu"))
         installed = time.perf_counter()
-        fused = FusedWeights(PristineWeights(slot.base_layers())) if fuse else None
+        fused = None
+        if fuse:
+            pristine = PristineWeights(model_layers, keep=[(self.component, name) for name in self.layer_names])
+            fused = FusedWeights(pristine, frozenset({self.component}), self.component)
         self.residency = AdapterResidency(slot, fused)
-        self.spec = self.residency.spec(self.family, self.dtype, torch.device("cpu"))
+        self.spec = self.residency.spec(self.family, self.dtype, torch.device("cpu"), model_layers)
         return installed - started, time.perf_counter() - installed
 
     @property
@@ -454,7 +460,8 @@ class SwapBench:
         for path in pair:
             adapter = self.canonical.get(str(path)) or self._load_canonical(path)
             plans[path] = [
-                (pristine.layers[name].weight, pristine.weights[name], layer.b.float(), layer.a.float())
+                (pristine.layers[self.component, name].weight, pristine.weights[self.component, name],
+                 layer.b.float(), layer.a.float())
                 for name, layer in sorted(adapter.layers.items())
             ]
         largest = max(w0.numel() for plan in plans.values() for _, w0, _, _ in plan)

@@ -523,6 +523,7 @@ async def test_cli_generate_writes_image_and_prints_summary(
         "warnings": ["dropped 4 text-encoder layers"],
         "adapters": [{"adapter": "styles/ink", "scale": 0.8}],
         "fused": False,
+        "changed_components": [],
     }
     assert captured.err == ""  # stderr is not a terminal here: the progress bar stays quiet
 

@@ -415,6 +415,8 @@ def _low_rank_changes(
         tensors = {"lora_down.weight": state_dict[f"{module}.lora_A.weight"],
                    "lora_up.weight": state_dict[f"{module}.lora_B.weight"]}  # fmt: skip
         layers.append(FileLayer(component, resolved, module, tensors))
+    if unknown and component == spec.denoiser:
+        _refuse_outside_slot(unknown)  # as without fusing: no layer a swap reaches
     if unknown:
         raise AdapterFormatError(
             f"{len(unknown)} layer(s) of the adapter are no layer of this model's {component} "

@@ -135,6 +135,13 @@ class FusedWeights:
         self._dora = None  # made on the first DoRA merge
         self._whole(max((pristine.weights[key].numel() for key in self._slot_keys), default=0))
 
+    @classmethod
+    def over_layers(cls, component: str, layers: dict[str, torch.nn.Module]) -> FusedWeights:
+        """A writer over these layers of one component alone (a slot's base layers), their copies taken now: what a
+        --fuse auto|always server keeps for its slot, for code that holds a bare denoiser (benchmarks, tests)."""
+        pristine = PristineWeights(ModelLayers.of_layers(component, layers), keep=[(component, name) for name in layers])
+        return cls(pristine, frozenset({component}), component)
+
     def _whole(self, elements: int) -> torch.Tensor:
         """A float32 scratch of at least `elements` (a whole layer's)."""
         if self._sum.numel() < elements:

@@ -63,6 +63,12 @@ class ModelLayers:
                     modules[component, name] = module
         return cls(shapes, modules)
 
+    @classmethod
+    def of_layers(cls, component: str, layers: Mapping[str, torch.nn.Module]) -> ModelLayers:
+        """These layers (module path -> layer) alone, as one component's."""
+        shapes = {name: LayerShape(tuple(layer.weight.shape), layer.bias is not None) for name, layer in layers.items()}
+        return cls({component: shapes}, {(component, name): layer for name, layer in layers.items()})
+
     @property
     def components(self) -> tuple[str, ...]:
         return tuple(self.shapes)
