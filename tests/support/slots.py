@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
-from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
-from loraswap.server.engine.adapters.model_layers import ModelLayers
+from loraswap.server.engine.adapters.fused import FusedWeights
 from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.adapters.slot import HotswapSlot
 
@@ -25,12 +24,8 @@ def install_residency(
     device_cache: DeviceAdapterCache | None = None,
 ) -> AdapterResidency:
     """The slot installed on `layers` of a CPU denoiser, with pristine copies to fuse from when `fuse`."""
-    model_layers = ModelLayers.of({DENOISER: denoiser})  # before the slot wraps its layers
     slot = HotswapSlot.install(denoiser, layers, max_rank, dtype, CPU, rank_buckets)
-    fused = None
-    if fuse:
-        pristine = PristineWeights(model_layers, keep=[(DENOISER, name) for name in layers])
-        fused = FusedWeights(pristine, frozenset({DENOISER}), DENOISER)
+    fused = FusedWeights.over_layers(DENOISER, slot.base_layers()) if fuse else None
     return AdapterResidency(slot, fused, device_cache)
 
 

@@ -218,8 +218,7 @@ def test_no_pristine_copies_without_fusing() -> None:
 def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_layer_bits() -> None:
     """Rows do not mix in a merge: a layer merged in row blocks (CPU_SCRATCH_ELEMENTS) holds the bits of W0 + B A
     computed over the whole layer in float32 and rounded once, blocks of uneven size included."""
-    from loraswap.server.engine.adapters.fused import CPU_SCRATCH_ELEMENTS, FusedWeights, PristineWeights
-    from loraswap.server.engine.adapters.model_layers import ModelLayers
+    from loraswap.server.engine.adapters.fused import CPU_SCRATCH_ELEMENTS, FusedWeights
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(1000, 1049, bias=False).to(torch.bfloat16)  # 1049 rows of 1000: 3 blocks, the last short
@@ -229,8 +228,7 @@ def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_la
     adapter = CanonicalAdapter(
         name="big", source="test", warnings=(), load_ms=0.0, layers={"big": CanonicalLayer(a=a, b=b)}
     )
-    model_layers = ModelLayers.of({"denoiser": torch.nn.ModuleDict({"big": layer})})
-    fused = FusedWeights(PristineWeights(model_layers, keep=[("denoiser", "big")]), frozenset({"denoiser"}), "denoiser")
+    fused = FusedWeights.over_layers("denoiser", {"big": layer})
     fused.merge(((adapter, 0.75),))
     whole = torch.addmm(w0.float(), b.float() * 0.75, a.float()).to(torch.bfloat16)
     assert torch.equal(layer.weight, whole)

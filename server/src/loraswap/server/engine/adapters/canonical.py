@@ -34,8 +34,10 @@ lora_config.py, both as untrusted input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -148,6 +150,11 @@ class CanonicalAdapter:
         """The kinds of change the adapter makes (lora, dora, lora+dora, loha, lokr, full, bias, ...), sorted."""
         kinds = {"dora" if layer.magnitude is not None else "lora" for layer in self.layers.values()}
         return tuple(sorted(kinds | {change.kind for change in self.changes.values()}))
+
+    @functools.cached_property
+    def changed_components(self) -> frozenset[str]:
+        """The components `changes` changes (the slot layers' component only when it has changes beyond them)."""
+        return frozenset(component for component, _ in self.changes)
 
     def layers_per_component(self, denoiser: str) -> dict[str, int]:
         """How many layers the adapter changes in each component (`denoiser`: the slot layers' component)."""
@@ -555,8 +562,7 @@ def _read_kohya_layout(raw: dict[str, torch.Tensor], spec: SlotSpec) -> _ReadAda
     layers = file_layers(raw, traits.kohya_prefixes, spec.model_layers, unet_config)
     read = _ReadAdapter(layers={}, changes={})
     for layer in read_layers(layers, spec.model_layers, pin_memory=spec.pin_memory):
-        if _slot_lora(layer, spec) is not None:
-            low_rank = layer.plain_lora
+        if (low_rank := _slot_lora(layer, spec)) is not None:
             read.layers[layer.module] = _slot_layer(
                 layer.module, low_rank.down, low_rank.up, low_rank.scale, spec,
                 (f"{layer.module} lora_down", f"{layer.module} lora_up"),
@@ -574,17 +580,18 @@ def _slot_lora(layer: ReadLayer, spec: SlotSpec) -> LowRank | None:
     return low_rank if low_rank.down.ndim == 2 and low_rank.up.ndim == 2 else None
 
 
+def _changes_of(read: _ReadAdapter, component: str) -> dict[tuple[str, str], LayerChange]:
+    return {key: change for key, change in read.changes.items() if key[0] == component}
+
+
 def _admit(read: _ReadAdapter, spec: SlotSpec) -> None:
     """Apply the server's settings to what was read: text-encoder layers kept or dropped (--text-encoder-layers,
     --strict-adapters), denoiser changes refused unless the server fuses."""
     encoders = {component for component, _ in read.changes if component != spec.denoiser}
     if encoders and spec.text_encoder_layers == "ignore":
-        dropped = {component: 0 for component in sorted(encoders)}
-        for component, _ in read.changes:
-            if component in dropped:
-                dropped[component] += 1
+        dropped = Counter(component for component, _ in read.changes if component in encoders)
         message = (
-            f"dropped layers for {', '.join(f'{c} ({n} layers)' for c, n in dropped.items())}: "
+            f"dropped layers for {', '.join(f'{c} ({n} layers)' for c, n in sorted(dropped.items()))}: "
             "text-encoder layers are ignored (--text-encoder-layers ignore)"
         )
         if spec.strict:
@@ -593,9 +600,8 @@ def _admit(read: _ReadAdapter, spec: SlotSpec) -> None:
                 reason=ErrorReason.ADAPTER_TEXT_ENCODER_LAYERS,
             )
         read.warnings.append(message)
-        read.changes = {key: change for key, change in read.changes.items() if key[0] == spec.denoiser}
-    denoiser_changes = {module: change for (component, module), change in read.changes.items()
-                        if component == spec.denoiser}  # fmt: skip
+        read.changes = _changes_of(read, spec.denoiser)
+    denoiser_changes = {module: change for (_, module), change in _changes_of(read, spec.denoiser).items()}
     if denoiser_changes and not spec.fuse:
         plain = sorted(module for module, change in denoiser_changes.items() if change.kind == "lora")
         others = sorted({change.kind for change in denoiser_changes.values()} - {"lora"})

@@ -120,10 +120,10 @@ def file_layers(
 ) -> list[FileLayer]:
     """The file's layers with the model's component and module path of each.
 
-    `unet_config`: a UNet's diffusers config, for sgm-named (sd-scripts SDXL) layers. Raises ADAPTER_MALFORMED
-    naming the first layer that names no layer of the model (ADAPTER_SHAPE_MISMATCH comes later, from the shapes).
+    `unet_config`: a UNet's diffusers config, for sgm-named (sd-scripts SDXL) layers. The caller has refused
+    unsupported kinds first (refuse_unsupported_kinds). Raises ADAPTER_SHAPE_MISMATCH naming the first layers that
+    name no layer of the model.
     """
-    refuse_unsupported_kinds(state_dict)
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         layer, name = _split_key(key)

@@ -107,7 +107,8 @@ class AdapterResidency:
         """The members that change a text encoder (what the encoder writer holds when they are resident)."""
         if self.encoder_weights is None:
             return ()
-        return tuple(member for member in members if self.encoder_weights.layers_of((member,)))
+        encoders = self.encoder_weights.components
+        return tuple(member for member in members if member[0].changed_components & encoders)
 
     def needs_swap(self, members: tuple[StackMember, ...], fused: bool) -> bool:
         """Whether running `members` (fused or not) changes what is resident: other adapters, or the same in the
@@ -140,9 +141,9 @@ class AdapterResidency:
         model_layers: ModelLayers,
         *,
         strict: bool = False,
-        text_encoder_layers: str = "apply",
     ) -> SlotSpec:
-        """What an adapter must fit to be made resident here: swapped into the slot or, when fusing, fused."""
+        """What an adapter must fit to be made resident here: swapped into the slot or, when fusing, fused; its
+        text-encoder layers are kept when there is a writer for them (--text-encoder-layers apply)."""
         base_layers = self.slot.base_layers()
         return SlotSpec(
             family=family,
@@ -155,7 +156,7 @@ class AdapterResidency:
             fuse=self.fused_weights is not None,
             biased_layers=frozenset(name for name, layer in base_layers.items() if layer.bias is not None),
             model_layers=model_layers,
-            text_encoder_layers=text_encoder_layers if self.encoder_weights is not None else "ignore",
+            text_encoder_layers="apply" if self.encoder_weights is not None else "ignore",
         )
 
     # -- swaps ----------------------------------------------------------------------------------------------
@@ -165,8 +166,8 @@ class AdapterResidency:
         """Make these adapters resident together, each at its strength (none: the base model); returns ms spent.
 
         `fused`: merge them into the base weights (fused_weights must be set). Raises STACK_RANK_EXCEEDED
-        (AdapterIncompatibleError) before anything changes when an unfused stack's ranks add up to more than max
-        rank on some layer; a merge that overflows the model's dtype raises ADAPTER_OUT_OF_RANGE and leaves the
+        (AdapterIncompatibleError) before the slot changes when an unfused stack's ranks add up to more than max
+        rank on some layer (the text encoders, merged first, then hold the stack's part); a merge that overflows the model's dtype raises ADAPTER_OUT_OF_RANGE and leaves the
         unfused slot resident (see fused.py).
         """
         members = stack_order(members)

@@ -61,7 +61,7 @@ class DiffusionRuntime:
         self._runner = PipelineRunner(loaded, compiled)
         self._slot_spec = self.residency.spec(
             loaded.traits.family, loaded.dtype, loaded.device, installed.model_layers,
-            strict=config.strict_adapters, text_encoder_layers=config.text_encoder_layers,
+            strict=config.strict_adapters,
         )  # fmt: skip
         self._fuse_choices: dict[tuple, bool] = {}  # auto's choice per request, kept (see fuse_choice)
         self._static_facts = _static_facts(config, loaded, installed, weights, compiled, self._slot_spec)
@@ -187,10 +187,9 @@ class DiffusionRuntime:
 
     def _changed_components(self, stack: tuple[StackMember, ...]) -> tuple[str, ...]:
         """The pipeline components the stack's adapters change (the denoiser's slot layers included), sorted."""
-        denoiser = self._slot_spec.denoiser
-        components = {component for adapter, _ in stack for component, _ in adapter.changes}
+        components = set().union(*(adapter.changed_components for adapter, _ in stack))
         if any(adapter.layers for adapter, _ in stack):
-            components.add(denoiser)
+            components.add(self._slot_spec.denoiser)
         return tuple(sorted(components))
 
     def _swap_in(
