@@ -126,6 +126,19 @@ def test_every_merge_starts_from_the_pristine_weights_so_repeats_are_bit_identic
     assert holds_pristine(fused)
 
 
+def test_a_layer_merged_again_without_its_bias_change_gets_its_pristine_bias_back(runtime, adapters) -> None:
+    """A stack that keeps a layer but not its bias change must not keep the previous merge's bias."""
+    fused = runtime.residency.fused_weights
+    key = ("transformer", "transformer_blocks.0.attn.to_k")  # the bias adapter trains its lora_B bias
+    pristine = fused.pristine.biases[key].clone()
+    fused.merge(((adapters["bias"], 1.0),))
+    assert not torch.equal(fused.pristine.layers[key].bias, pristine)
+    fused.merge(((adapters["plain"], 1.0),))  # to_k again, no bias change
+    assert torch.equal(fused.pristine.layers[key].bias, pristine)
+    fused.restore()
+    assert holds_pristine(fused)
+
+
 def _float16_runtime(fuse: str):
     return start_runtime(
         EngineConfig(model="tiny-flux", dtype="float16", max_rank=4, compile=False, warmup=False, torch_threads=1,

@@ -126,6 +126,7 @@ class FusedWeights:
         self.components = components
         self.slot_component = slot_component
         self._touched: set[LayerKey] = set()  # layers whose base weights hold a merge now
+        self._biased: set[LayerKey] = set()  # layers whose biases hold a merge now
         self._slot_keys = tuple(key for key in pristine.weights if key[0] in components)
         first = next(iter(pristine.model_layers.modules.values()), None)
         self._device = first.weight.device if first is not None else torch.device("cpu")
@@ -139,7 +140,9 @@ class FusedWeights:
     def over_layers(cls, component: str, layers: dict[str, torch.nn.Module]) -> FusedWeights:
         """A writer over these layers of one component alone (a slot's base layers), their copies taken now: what a
         --fuse auto|always server keeps for its slot, for code that holds a bare denoiser (benchmarks, tests)."""
-        pristine = PristineWeights(ModelLayers.of_layers(component, layers), keep=[(component, name) for name in layers])
+        pristine = PristineWeights(
+            ModelLayers.of_layers(component, layers), keep=[(component, name) for name in layers]
+        )
         return cls(pristine, frozenset({component}), component)
 
     def _whole(self, elements: int) -> torch.Tensor:
@@ -203,6 +206,7 @@ class FusedWeights:
         for key in sorted(self._touched):
             self._restore(key)
         self._touched.clear()
+        self._biased.clear()
         return (time.perf_counter() - started) * 1000.0
 
     def _restore(self, key: LayerKey) -> None:
@@ -210,6 +214,7 @@ class FusedWeights:
         layer.weight.copy_(self.pristine.weights[key])
         if layer.bias is not None:
             layer.bias.copy_(self.pristine.biases[key])
+        self._biased.discard(key)
 
     def _factor(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self._device, non_blocking=True).to(torch.float32)
@@ -283,13 +288,21 @@ class FusedWeights:
         return torch.stack(finite).all()
 
     def _merge_bias(self, key: LayerKey, layer: torch.nn.Module, biases: list, finite: torch.Tensor) -> torch.Tensor:
-        if biases and layer.bias is not None:
-            bias = self.pristine.biases[key].to(torch.float32)
-            for vector, scale in biases:
-                bias = bias + self._factor(vector).reshape(-1) * scale
-            layer.bias.copy_(bias)
-            finite = finite & _all_finite(layer.bias)
-        return finite
+        """The bias of b0 plus the members' bias changes; b0 again where a previous merge changed it and these do
+        not (a layer the new stack touches too is not restored before it)."""
+        if layer.bias is None:
+            return finite
+        if not biases:
+            if key in self._biased:
+                layer.bias.copy_(self.pristine.biases[key])
+                self._biased.discard(key)
+            return finite
+        bias = self.pristine.biases[key].to(torch.float32)
+        for vector, scale in biases:
+            bias = bias + self._factor(vector).reshape(-1) * scale
+        layer.bias.copy_(bias)
+        self._biased.add(key)
+        return finite & _all_finite(layer.bias)
 
 
 def _layers_of(members: Iterable[StackMember], components: frozenset[str], slot_component: str) -> set[LayerKey]:
