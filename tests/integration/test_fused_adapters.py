@@ -2,7 +2,9 @@
 for bit after long mixed sequences, nothing recompiles, and what the slot cannot hold is served fused.
 
 One tiny-flux server with --fuse always (compiled: only the base model's graph) over PEFT-written adapters: plain
-LoRAs, a DoRA adapter, one that trains lora_B's bias and one of twice the slot's max rank. The runtime tests at the
+LoRAs, a DoRA adapter, one that trains lora_B's bias and one of twice the slot's max rank; and a LyCORIS file in
+BFL names (sd-scripts' layout for Flux) mixing every kind, whose image must equal a plain diffusers pipeline with
+the weights LyCORIS's own modules compute (tests/support/flux_files.py). The runtime tests at the
 end mix fused and unfused swaps on compiled runtimes (--compile full and regional) under --fuse auto.
 """
 
@@ -19,6 +21,7 @@ from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.pipeline.startup import start_runtime
 from loraswap.server.engine.types import GenerationRequest
 from tests.support.adapters import write_random_adapters
+from tests.support.flux_files import BFL_LAYERS, FluxFile
 from tests.support.images import MIN_ADAPTER_EFFECT, assert_images_close, decode
 from tests.support.servers import TEST_TORCH_THREADS, serving
 
@@ -38,9 +41,18 @@ ADAPTERS = {
 }
 
 
+# BFL layer -> kind: LoKr on a qkv (cut by rows), LoHa on linear1, DoRA, a full difference, plain LoRA, ...
+BFL_KINDS = dict(zip(sorted(BFL_LAYERS), ["lokr", "loha", "dora", "full", "lora", "loha-dora", "lokr-whole"] * 2))
+
+
 @pytest.fixture(scope="module")
 def fused_adapter_dir(tmp_path_factory):
     return write_random_adapters("tiny-flux", tmp_path_factory.mktemp("fused-adapters"), ADAPTERS, init_std=0.5)
+
+
+@pytest.fixture(scope="module")
+def bfl_file(fused_adapter_dir):
+    return FluxFile(fused_adapter_dir / "bfl-lycoris.safetensors", "bfl", BFL_KINDS, seed=21)
 
 
 class FusedReference:
@@ -62,6 +74,23 @@ class FusedReference:
             pipe.set_adapters([name for name, _ in members], adapter_weights=[scale for _, scale in members])
             pipe.fuse_lora(adapter_names=[name for name, _ in members])
         pipe.unload_lora_weights()  # the merged weights stay; the LoRA layers go
+        return self._run(pipe)
+
+    def merged_image(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        """The image with these transformer layers' weights and biases set (module -> (weight, bias))."""
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(self.model_dir)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            for module, (weight, bias) in weights.items():
+                layer = pipe.transformer.get_submodule(module)
+                layer.weight.copy_(weight)
+                layer.bias.copy_(bias)
+        return self._run(pipe)
+
+    @staticmethod
+    def _run(pipe):
         result = pipe(
             prompt=PROMPT, num_inference_steps=STEPS, guidance_scale=GUIDANCE, width=64, height=64,
             generator=torch.Generator("cpu").manual_seed(SEED), output_type="pil", max_sequence_length=32,
@@ -77,7 +106,7 @@ def fused_reference(exported_models, fused_adapter_dir):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def server(fused_adapter_dir):
+async def server(fused_adapter_dir, bfl_file):
     async with serving("tiny-flux", fused_adapter_dir, fuse="always") as running:
         yield running
 
@@ -115,6 +144,18 @@ async def test_a_fused_image_equals_diffusers_fuse_lora(client, fused_reference,
     assert_images_close(actual, fused_reference.image(members))
     base = decode((await image_of(client, [])).data)
     assert abs(actual - base).max() >= MIN_ADAPTER_EFFECT, "the adapter must change the image"
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+async def test_a_bfl_lycoris_file_of_mixed_kinds_equals_its_lycoris_merge(client, fused_reference, bfl_file, scale):
+    image = await image_of(client, [("bfl-lycoris", scale)])
+    assert image.fused and set(image.changed_components) == {"transformer"}
+    actual = decode(image.data)
+    assert_images_close(actual, fused_reference.merged_image(bfl_file.merged_weights(scale)))
+    base = decode((await image_of(client, [])).data)
+    assert abs(actual - base).max() >= MIN_ADAPTER_EFFECT, "the adapter must change the image"
+    again = await image_of(client, [("attn", 1.0)])
+    assert (await image_of(client, [("bfl-lycoris", scale)])).data == image.data != again.data
 
 
 async def test_server_info_says_how_swaps_apply_adapters(client) -> None:

@@ -33,6 +33,11 @@ FLUX_SINGLE = {
     "lora_unet_single_blocks_0_linear2": (160, 32, [("single_transformer_blocks.0.proj_out", WHOLE)]),
     "lora_unet_single_blocks_1_linear2": (160, 32, [("single_transformer_blocks.1.proj_out", WHOLE)]),
 }
+FLUX_LINEAR1 = {
+    "lora_unet_single_blocks_0_linear1": (32, 3 * 32 + 128, [
+        ("single_transformer_blocks.0.attn.to_q", Q), ("single_transformer_blocks.0.attn.to_k", K),
+        ("single_transformer_blocks.0.attn.to_v", V), ("single_transformer_blocks.0.proj_mlp", slice(96, 224))]),
+}  # fmt: skip
 FLUX_FINAL = {"lora_unet_final_layer_linear": (32, 16, [("proj_out", WHOLE)])}
 
 # Six SDXL layers of tiny-sdxl (diffusers module, in, out, alpha), which kohya writes in two spellings: the

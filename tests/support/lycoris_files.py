@@ -75,18 +75,63 @@ def write_lycoris_file(
         1.0, rank, alpha, None, encoders, pipe.unet, preset=PRESET_NAME, conv_dim=rank, conv_alpha=alpha, **kind
     )
     network.apply_to(encoders, pipe.unet, text_encoders, True)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in network.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if name.endswith("dora_scale"):
-                parameter.mul_(1 + 0.2 * noise)
-            elif name.endswith(("diff", "diff_b")):
-                parameter.add_(0.1 * std * noise)
-            else:
-                parameter.copy_(std * noise)
+    _draw(network.named_parameters(), torch.Generator().manual_seed(seed), std)
     network.save_weights(str(path), torch.float32, None)
     return path
+
+
+@torch.no_grad()
+def _draw(parameters, generator: torch.Generator, std: float, *, whole_weights: bool = False) -> None:
+    """Every trainable tensor at random: magnitudes around their start, full differences small, factors at `std`.
+    `whole_weights`: the parameters named weight/bias are a full module's whole weights."""
+    for name, parameter in parameters:
+        noise = torch.randn(parameter.shape, generator=generator)
+        if name.endswith("dora_scale"):
+            parameter.mul_(1 + 0.2 * noise)
+        elif name.endswith(("diff", "diff_b")) or (whole_weights and name in ("weight", "bias")):
+            parameter.add_(0.1 * std * noise)
+        else:
+            parameter.copy_(std * noise)
+
+
+# kind -> (LyCORIS module, its keywords), for layers written one by one: those no LyCORIS network names (Flux's
+# original BFL layers, some stacked by rows) or that its loader cannot read back (a DoRA normalised per column).
+MODULE_KINDS = {
+    "lora": ("locon", {}),
+    "loha": ("loha", {}),
+    "lokr": ("lokr", {"factor": 4}),  # w1 is 4 rows: q, k, v of a stacked qkv are no whole rows of it
+    "lokr-whole": ("lokr", {"factor": 4, "full_matrix": True}),
+    "full": ("full", {}),
+    "dora": ("locon", {"weight_decompose": True}),
+    "loha-dora": ("loha", {"weight_decompose": True}),
+    "dora-columns": ("locon", {"weight_decompose": True, "wd_on_out": False}),
+}
+
+
+def lycoris_module(kind: str, name: str, layer: torch.nn.Module, *, seed: int, std: float = 0.3, rank: int = 4,
+                   alpha: float = 2.0):  # fmt: skip
+    """A LyCORIS module of `kind` (MODULE_KINDS) on `layer`, as its file names it `name`, its tensors drawn at
+    random and applied: calling it (or the layer) computes the layer with the adapter, at `module.multiplier`."""
+    from lycoris.modules.full import FullModule
+    from lycoris.modules.locon import LoConModule
+    from lycoris.modules.loha import LohaModule
+    from lycoris.modules.lokr import LokrModule
+
+    algo, keywords = MODULE_KINDS[kind]
+    cls = {"locon": LoConModule, "loha": LohaModule, "lokr": LokrModule, "full": FullModule}[algo]
+    module = cls(name, layer, 1.0, rank, alpha, **keywords)
+    _draw(module.named_parameters(), torch.Generator().manual_seed(seed), std, whole_weights=algo == "full")
+    module.apply_to()
+    return module
+
+
+def module_tensors(modules: dict) -> dict[str, torch.Tensor]:
+    """The file of these LyCORIS modules (file name -> module): `<name>.<tensor>` as LyCORIS saves them."""
+    return {
+        f"{name}.{key}": tensor.detach().to(torch.float32).contiguous()
+        for name, module in modules.items()
+        for key, tensor in module.state_dict().items()
+    }
 
 
 def applied_network(path: Path, pipe, multiplier: float, preset: dict = TEST_PRESET, *, text_encoders: bool = True):
@@ -110,7 +155,9 @@ def network_modules(network, pipe) -> dict[tuple[str, str], torch.nn.Module]:
         for component in COMPONENT_OF_PREFIX.values()
         for name, module in getattr(pipe, component).named_modules()
     }
-    return {paths[id(lora.org_module[0])]: lora.org_module[0] for lora in network.unet_loras + network.text_encoder_loras}
+    return {
+        paths[id(lora.org_module[0])]: lora.org_module[0] for lora in network.unet_loras + network.text_encoder_loras
+    }
 
 
 def probe(module: torch.nn.Module, generator: torch.Generator) -> torch.Tensor:

@@ -1,23 +1,22 @@
 """Kohya (sd-scripts) LoRA files for Flux and SDXL, written by the test, read by load_canonical.
 
 Each file is checked two ways: against diffusers' own `load_lora_weights` of
-the same file on a fresh tiny pipeline, and against kohya's own arithmetic
-(`up @ down * alpha / rank`, with fused qkv split by output rows), so a
-mapping that diffusers and loraswap got wrong together would still show.
+the same file on a fresh tiny pipeline where diffusers reads it, and against
+kohya's own arithmetic (`up @ down * alpha / rank`, with fused qkv split by
+output rows), so a mapping that diffusers and loraswap got wrong together
+would still show.
 
-What the tiny models cannot carry: Flux `single_blocks_N_linear1` (the fused
-qkv+mlp projection). diffusers splits it with FLUX.1's hard-coded widths
-(3072, 3072, 3072, 12288), which a 32-wide tiny transformer cannot match, so
-only double blocks and `single_blocks_N_linear2` are checked for values;
-linear1 is checked to be refused cleanly.
-
-SDXL files are read by loraswap itself (adapters/key_layouts.py), every layer at
-its own alpha; diffusers gives an attention layer whose alpha differs from the
-file's most common alpha the common one, so the minority-alpha test has only
-kohya's arithmetic as its reference. Text-encoder layers are checked against
-kohya's arithmetic too (applied by default). Flux kohya files go through
-diffusers, whose defect loraswap inherits there is pinned as a strict xfail
-marked UPSTREAM: Flux `final_layer_linear` is dropped.
+Both families' kohya files are read by loraswap itself (adapters/key_layouts.py,
+original_names.py), every layer at its own alpha. Where diffusers differs, only
+kohya's arithmetic is the reference:
+- Flux `single_blocks_N_linear1` (the fused qkv+mlp projection): diffusers splits
+  it with FLUX.1's hard-coded widths (3072, 3072, 3072, 12288), which a 32-wide
+  tiny transformer cannot match; loraswap splits it at the model's own widths.
+- Flux `final_layer_linear`: diffusers' converter writes it without the
+  `transformer.` prefix and drops it; loraswap applies it to proj_out.
+- SDXL attention layers whose alpha differs from the file's most common alpha:
+  diffusers gives them the common one.
+Text-encoder layers are checked against kohya's arithmetic too (applied by default).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, EngineError
 from tests.support.kohya_files import (
     FLUX_FINAL,
+    FLUX_LINEAR1,
     FLUX_SINGLE,
     SDXL_LAYERS,
     TEXT_ENCODER_MODULES,
@@ -86,8 +86,9 @@ def test_flux_kohya_matches_diffusers_and_kohya(specs: dict[str, SlotSpec], tmp_
     assert adapter.warnings == ()
 
 
-def test_flux_kohya_block_sparse_qkv_splits_rank(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
-    """A qkv LoRA whose up is block-diagonal becomes three rank/3 LoRAs; the deltas stay the same."""
+def test_flux_kohya_block_sparse_qkv_keeps_the_files_rank(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
+    """A qkv LoRA whose up is block-diagonal: diffusers makes it three rank/3 LoRAs, loraswap three LoRAs of the
+    file's rank (one down, the up cut by rows); the deltas are the same."""
     layout = flux_double(0)
     path = tmp_path / "kohya_sparse.safetensors"
     tensors = kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, rank=6, sparse_qkv=True)
@@ -97,17 +98,14 @@ def test_flux_kohya_block_sparse_qkv_splits_rank(specs: dict[str, SlotSpec], tmp
     assert_same_deltas(canonical, diffusers_deltas("tiny-flux", path)[0])
     assert_same_deltas(canonical, kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()}))
     ranks = {name: layer.rank for name, layer in adapter.layers.items()}
-    assert ranks["transformer_blocks.0.attn.to_q"] == ranks["transformer_blocks.0.attn.add_v_proj"] == 2
+    assert ranks["transformer_blocks.0.attn.to_q"] == ranks["transformer_blocks.0.attn.add_v_proj"] == 6
     assert ranks["transformer_blocks.0.attn.to_out.0"] == ranks["transformer_blocks.0.ff.net.2"] == 6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="UPSTREAM diffusers: _convert_kohya_flux_lora_to_diffusers writes final_layer keys without the "
-    "'transformer.' prefix, so diffusers and loraswap drop lora_unet_final_layer_linear",
-)
-def test_flux_kohya_final_layer_reaches_proj_out(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
-    layout = {**flux_double(0), **FLUX_FINAL}
+@pytest.mark.parametrize("case", ["final_layer", "linear1"])
+def test_flux_kohya_layers_diffusers_drops_or_cannot_split(specs: dict[str, SlotSpec], tmp_path: Path, case) -> None:
+    """final_layer_linear reaches proj_out; linear1 is cut at the model's widths (kohya's arithmetic only)."""
+    layout = {**flux_double(0), **(FLUX_FINAL if case == "final_layer" else FLUX_LINEAR1)}
     path = tmp_path / "kohya_final.safetensors"
     tensors = kohya_file(path, {m: (i, o) for m, (i, o, _) in layout.items()}, alphas={})
     adapter = _load(path, specs["tiny-flux"])
@@ -150,11 +148,11 @@ def test_flux_kohya_text_encoder_applied_or_dropped_or_refused(specs: dict[str, 
         ),
         pytest.param(
             {"lora_unet_double_blocks_0_img_attn_qkv": (32, 96), "lora_unet_double_blocks_0_img_bogus": (32, 32)},
-            AdapterFormatError, "ADAPTER_MALFORMED", id="unknown_kohya_key",
+            AdapterFormatError, "ADAPTER_SHAPE_MISMATCH", id="unknown_kohya_key",
         ),
         pytest.param(
-            {"lora_unet_single_blocks_0_linear1": (32, 3 * 32 + 128)},
-            AdapterFormatError, "ADAPTER_MALFORMED", id="linear1_not_flux1_wide",
+            {"lora_unet_single_blocks_0_linear1": (32, 3 * 32 + 64)},
+            AdapterFormatError, "ADAPTER_SHAPE_MISMATCH", id="linear1_of_another_width",
         ),
     ],
 )  # fmt: skip
@@ -226,3 +224,25 @@ def test_flux_comfyui_prefixed_file_matches_diffusers(specs: dict[str, SlotSpec]
     assert_same_deltas(
         canonical_deltas(adapter), kohya_deltas(tensors, {m: targets for m, (_, _, targets) in layout.items()})
     )
+
+
+def test_flux_xlabs_file_matches_diffusers_and_xlabs(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
+    """XLabs' Flux LoRAs (`double_blocks.N.processor.qkv_lora1.down.weight`, LoRA only, no alpha) are diffusers' to
+    read: each qkv up is cut by rows over q, k, v with the one down, ΔW = up @ down."""
+    generator = torch.Generator().manual_seed(4)
+    block = "transformer_blocks.0.attn"
+    layers = {"qkv_lora1": (96, [f"{block}.to_q", f"{block}.to_k", f"{block}.to_v"]),
+              "qkv_lora2": (96, [f"{block}.add_q_proj", f"{block}.add_k_proj", f"{block}.add_v_proj"]),
+              "proj_lora1": (32, [f"{block}.to_out.0"]), "proj_lora2": (32, [f"{block}.to_add_out"])}  # fmt: skip
+    tensors, expected = {}, {}
+    for name, (rows, targets) in layers.items():
+        down, up = torch.randn(4, 32, generator=generator) * 0.2, torch.randn(rows, 4, generator=generator) * 0.2
+        tensors[f"double_blocks.0.processor.{name}.down.weight"] = down
+        tensors[f"double_blocks.0.processor.{name}.up.weight"] = up
+        for index, target in enumerate(targets):
+            expected[target] = up[index * 32 : (index + 1) * 32] @ down
+    path = tmp_path / "xlabs.safetensors"
+    save_file(tensors, path)
+    adapter = _load(path, specs["tiny-flux"])
+    assert_same_deltas(canonical_deltas(adapter), expected)
+    assert_same_deltas(canonical_deltas(adapter), diffusers_deltas("tiny-flux", path)[0])

@@ -217,8 +217,8 @@ def test_a_merge_past_the_pristine_budget_is_refused_and_changes_nothing(runtime
     slot_copies = runtime.installed.pristine_bytes
     tight = start_runtime(
         EngineConfig(model="tiny-sdxl", max_rank=MAX_RANK, compile=False, warmup=False, torch_threads=1,
-                     fuse="always", fuse_memory_bytes=slot_copies + 1024)  # fmt: skip
-    )
+                     fuse="always", fuse_memory_bytes=slot_copies + 1024)
+    )  # fmt: skip
     before = {key: module.weight.detach().clone() for key, module in tight.installed.model_layers.modules.items()}
     adapter = load_canonical(LocalAdapterDirectory(lycoris_dir).find("loha"), tight.slot_spec())
     with pytest.raises(AdapterTooLargeError) as raised:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraswap.server.engine.adapters.key_layouts import sgm_to_diffusers
 from loraswap.server.engine.adapters.model_layers import ModelLayers
+from loraswap.server.engine.adapters.original_names import sgm_to_diffusers
 from loraswap.server.engine.models.random_full import SDXL_UNET_CONFIG
 
 LEVELS = 3  # channel_mult (1, 2, 4)

@@ -203,8 +203,11 @@ FLUX = _FluxTraits(
     ),
     convolutional_denoiser=False,
     text_encoders=("text_encoder", "text_encoder_2"),  # CLIP-L, T5
-    # BFL-named `lora_unet_` files (fused qkv) are diffusers' to read.
-    kohya_prefixes={"lora_transformer": "transformer", "lycoris": "transformer", "lora_te1": "text_encoder"},
+    # sd-scripts' BFL names (`lora_unet_double_blocks_0_img_attn_qkv`), ai-toolkit's and LyCORIS's diffusers names.
+    kohya_prefixes={
+        "lora_unet": "transformer", "lora_transformer": "transformer", "lycoris": "transformer",
+        "lora_te1": "text_encoder",
+    },
     latent_rgb=FLUX_LATENT_RGB,
 )  # fmt: skip
 SDXL = _SdxlTraits(

@@ -25,7 +25,7 @@ Reading: kohya-style files (sd-scripts and LyCORIS names with the family's
 `kohya_prefixes`) are resolved against the model's own module paths
 (key_layouts.py) and read kind by kind (lycoris_layers.py); every other layout
 goes through diffusers' own `lora_state_dict` converters (A1111, ComfyUI,
-xlabs, BFL-named Flux kohya, ... to diffusers keys) and the same alpha rules as
+xlabs, ComfyUI-prefixed Flux, ... to diffusers keys) and the same alpha rules as
 `load_lora_adapter`, so such an adapter means exactly what diffusers makes of it.
 The file itself is read by safetensors_file.py and its LoraConfig checked by
 lora_config.py, both as untrusted input.
@@ -54,9 +54,10 @@ from loraswap.server.engine.adapters.key_layouts import (
 from loraswap.server.engine.adapters.lora_config import layer_scalings
 from loraswap.server.engine.adapters.lycoris_layers import ReadLayer, read_layers
 from loraswap.server.engine.adapters.model_layers import ModelLayers
+from loraswap.server.engine.adapters.original_names import original_layer
 from loraswap.server.engine.adapters.safetensors_file import read_adapter_file
 from loraswap.server.engine.adapters.sources import AdapterFile
-from loraswap.server.engine.adapters.weight_changes import LayerChange, LowRank
+from loraswap.server.engine.adapters.weight_changes import LayerChange, LowRank, held_bytes
 from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, ErrorReason, shorten
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.scale_limits import MAX_ADAPTER_SCALE
@@ -138,12 +139,12 @@ class CanonicalAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            tensor.numel() * tensor.element_size()
-            for layer in self.layers.values()
-            for tensor in (layer.a, layer.b, layer.magnitude, layer.bias)
-            if tensor is not None
-        ) + sum(change.nbytes for change in self.changes.values())
+        """The bytes the adapter holds (the parts of a stacked layer share their tensors: counted once)."""
+        return held_bytes(
+            [tensor for layer in self.layers.values() for tensor in (layer.a, layer.b, layer.magnitude, layer.bias)
+             if tensor is not None]
+            + [tensor for change in self.changes.values() for tensor in change.tensors]
+        )  # fmt: skip
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -492,9 +493,7 @@ class _ReadAdapter:
                             self.warnings + other.warnings)  # fmt: skip
 
 
-def _read_diffusers_layout(
-    raw: dict[str, torch.Tensor], metadata: dict | None, spec: SlotSpec
-) -> _ReadAdapter:
+def _read_diffusers_layout(raw: dict[str, torch.Tensor], metadata: dict | None, spec: SlotSpec) -> _ReadAdapter:
     """A file in any layout diffusers' converters read, as diffusers means it."""
     converted, alphas = _to_diffusers_keys(raw, spec)
     by_component, unknown = _split_by_component(converted, spec.denoiser, FAMILIES[spec.family].text_encoders)
@@ -557,9 +556,10 @@ def _check_text_encoder_tensors(state_dict: dict[str, torch.Tensor], component: 
 def _read_kohya_layout(raw: dict[str, torch.Tensor], spec: SlotSpec) -> _ReadAdapter:
     """A kohya-style file (sd-scripts, LyCORIS), every kind, resolved against the model's own layers: plain LoRAs
     of slot layers go to the slot, the rest are changes."""
-    traits = FAMILIES[spec.family]
-    unet_config = spec.denoiser_config if spec.denoiser == "unet" else None
-    layers = file_layers(raw, traits.kohya_prefixes, spec.model_layers, unet_config)
+    layers = file_layers(
+        raw, FAMILIES[spec.family].kohya_prefixes, spec.model_layers,
+        lambda flat: original_layer(spec.family, flat, spec.denoiser_config),
+    )  # fmt: skip
     read = _ReadAdapter(layers={}, changes={})
     for layer in read_layers(layers, spec.model_layers, pin_memory=spec.pin_memory):
         if (low_rank := _slot_lora(layer, spec)) is not None:
@@ -639,7 +639,7 @@ def load_canonical(
     _check_tensors(raw)
     read = _read_kohya_layout({key: raw[key] for key in kohya_keys}, spec) if kohya_keys else None
     others = {key: value for key, value in raw.items() if key not in kohya_keys}
-    if others:  # another layout (or, for Flux, BFL-named `lora_unet_` layers beside kohya text-encoder ones)
+    if others:  # another layout
         read = _read_other_layout(others, metadata, spec).joined(read)
     _admit(read, spec)
     return CanonicalAdapter(

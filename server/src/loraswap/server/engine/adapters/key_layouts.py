@@ -6,21 +6,20 @@ transformer_blocks_0_attn1_to_q.lora_up.weight`, `lora_te1_text_model_encoder_la
 The prefix names the component (the family's `kohya_prefixes`); the rest is resolved against the component's real
 module paths (model_layers.py), so underscores inside names (`to_q`, `conv_shortcut`) are never guessed at.
 
-SDXL files from sd-scripts use the names of the original (sgm) UNet sd-scripts trains SDXL on: `input_blocks_N_M`,
-`middle_block_M`, `output_blocks_N_M`, with resnets' `in_layers_2`, `emb_layers_1`, `out_layers_3` and
-`skip_connection`, and `time_embed`, `label_emb`, `out_2` outside the blocks. `sgm_to_diffusers` maps them from the
-UNet's own config (layers per block, which blocks have attentions and resamplers), as diffusers' UNet builds them.
+Names of the original models sd-scripts trains on (sgm SDXL, BFL Flux) are resolved by original_names.py; a
+BFL layer that stacks several diffusers layers by rows (qkv) becomes one FileLayer with a part per layer.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from loraswap.server.engine.adapters.model_layers import ModelLayers
+from loraswap.server.engine.adapters.model_layers import LayerShape, ModelLayers
+from loraswap.server.engine.adapters.original_names import OriginalLayer
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
 
 # The tensors of one layer a kind this server merges may have (adapters/weight_changes.py).
@@ -45,14 +44,36 @@ UNSUPPORTED_KIND_TENSORS = {
 _LAYER_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
+Rows = tuple[tuple[int, int], ...]  # [start, stop) ranges of a stacked layer's rows, in order
+
+
+@dataclass(frozen=True)
+class LayerPart:
+    """One model layer of a file layer that stacks several: its module path and its rows of the stack."""
+
+    module: str
+    rows: Rows
+
+
 @dataclass(frozen=True)
 class FileLayer:
-    """One layer of a kohya-style file: the component and module path it changes, and its tensors by name."""
+    """One layer of a kohya-style file: the component and module path it changes, and its tensors by name.
+
+    A layer the file stores stacked (BFL Flux's qkv) has `parts`, the model layers it is cut into; its `module`
+    then names them all, for messages.
+    """
 
     component: str
     module: str
     name: str  # as the file spells it
     tensors: dict[str, torch.Tensor]
+    parts: tuple[LayerPart, ...] = ()
+
+    def stacked_shape(self, model: ModelLayers) -> LayerShape:
+        """The weight shape of the stack of `parts` (their rows one after another) and whether each has a bias."""
+        shapes = [model.shape(self.component, part.module) for part in self.parts]
+        rows = sum(stop - start for part in self.parts for start, stop in part.rows)
+        return LayerShape((rows, *shapes[0].weight[1:]), all(shape.has_bias for shape in shapes))
 
 
 def _split_key(key: str) -> tuple[str, str] | None:
@@ -116,13 +137,14 @@ def file_layers(
     state_dict: Mapping[str, torch.Tensor],
     prefixes: Mapping[str, str],
     model: ModelLayers,
-    unet_config: Mapping | None = None,
+    original_layer: Callable[[str], OriginalLayer | None] | None = None,
 ) -> list[FileLayer]:
     """The file's layers with the model's component and module path of each.
 
-    `unet_config`: a UNet's diffusers config, for sgm-named (sd-scripts SDXL) layers. The caller has refused
-    unsupported kinds first (refuse_unsupported_kinds). Raises ADAPTER_SHAPE_MISMATCH naming the first layers that
-    name no layer of the model.
+    `original_layer`: the family's mapping of the original model's layer names (original_names.py), tried for a
+    name that is no module path of the model. The caller has refused unsupported kinds first
+    (refuse_unsupported_kinds). Raises ADAPTER_SHAPE_MISMATCH naming the first layers that name no layer of the
+    model.
     """
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
@@ -132,13 +154,15 @@ def file_layers(
     for layer, tensors in sorted(grouped.items()):
         component, flat = _component_of(layer, prefixes)
         module = model.by_flat_name(component, flat)
-        if module is None and unet_config is not None:
-            mapped = sgm_to_diffusers(flat, unet_config)
-            module = model.by_flat_name(component, mapped) if mapped is not None else None
-        if module is None:
-            unresolved.append(layer)
+        if module is not None:
+            layers.append(FileLayer(component, module, layer, tensors))
             continue
-        layers.append(FileLayer(component, module, layer, tensors))
+        original = original_layer(flat) if original_layer is not None else None
+        resolved = _original_layer(component, layer, tensors, original, model) if original is not None else None
+        if resolved is None:
+            unresolved.append(layer)
+        else:
+            layers.append(resolved)
     if unresolved:
         raise AdapterFormatError(
             f"{len(unresolved)} layer(s) of the adapter name no layer of this model "
@@ -149,92 +173,22 @@ def file_layers(
     return layers
 
 
-# -- sgm (original SDXL UNet) names ------------------------------------------------------------------------
-
-_SGM_OUTSIDE_BLOCKS = {
-    "input_blocks_0_0": "conv_in",
-    "time_embed_0": "time_embedding_linear_1",
-    "time_embed_2": "time_embedding_linear_2",
-    "label_emb_0_0": "add_embedding_linear_1",
-    "label_emb_0_2": "add_embedding_linear_2",
-    "out_0": "conv_norm_out",
-    "out_2": "conv_out",
-}
-# A resnet's sgm sub-modules and their diffusers names.
-_SGM_RESNET = {
-    "in_layers_0": "norm1",
-    "in_layers_2": "conv1",
-    "emb_layers_1": "time_emb_proj",
-    "out_layers_0": "norm2",
-    "out_layers_3": "conv2",
-    "skip_connection": "conv_shortcut",
-}
-_SGM_BLOCK = re.compile(r"(input_blocks|output_blocks)_(\d+)_(\d+)(?:_(.+))?|middle_block_(\d+)(?:_(.+))?")
-
-
-def _has_attentions(block_type: str) -> bool:
-    return "CrossAttn" in block_type or "Attn" in block_type
-
-
-def _sgm_input_block(index: int, sub: int, config: Mapping) -> tuple[str, str] | None:
-    """(diffusers prefix, what the sub-module is) of sgm input_blocks.index.sub."""
-    per_block = config["layers_per_block"]
-    per_block = per_block if isinstance(per_block, int) else per_block[0]
-    block, layer = divmod(index - 1, per_block + 1)
-    if index < 1 or block >= len(config["down_block_types"]):
+def _original_layer(
+    component: str, name: str, tensors: dict[str, torch.Tensor], original: OriginalLayer, model: ModelLayers
+) -> FileLayer | None:
+    """The FileLayer of an original-named layer: whole when it is one model layer, else cut into parts by rows."""
+    modules = [model.by_flat_name(component, target) for target in original.targets]
+    if any(module is None for module in modules):
         return None
-    if layer == per_block:  # the downsampler after the block's layers
-        return (f"down_blocks_{block}_downsamplers_0", "sampler") if sub == 0 else None
-    if sub == 0:
-        return f"down_blocks_{block}_resnets_{layer}", "resnet"
-    if sub == 1 and _has_attentions(config["down_block_types"][block]):
-        return f"down_blocks_{block}_attentions_{layer}", "attention"
-    return None
-
-
-def _sgm_output_block(index: int, sub: int, config: Mapping) -> tuple[str, str] | None:
-    """(diffusers prefix, what the sub-module is) of sgm output_blocks.index.sub: [resnet, attention?, upsampler?]."""
-    per_block = config["layers_per_block"]
-    per_block = (per_block if isinstance(per_block, int) else per_block[0]) + 1
-    block, layer = divmod(index, per_block)
-    block_types = config["up_block_types"]
-    if block >= len(block_types):
-        return None
-    parts = ["resnet"]
-    if _has_attentions(block_types[block]):
-        parts.append("attention")
-    if layer == per_block - 1 and block < len(block_types) - 1:
-        parts.append("sampler")
-    if sub >= len(parts):
-        return None
-    kind = parts[sub]
-    if kind == "resnet":
-        return f"up_blocks_{block}_resnets_{layer}", kind
-    if kind == "attention":
-        return f"up_blocks_{block}_attentions_{layer}", kind
-    return f"up_blocks_{block}_upsamplers_0", kind
-
-
-def sgm_to_diffusers(flat: str, config: Mapping) -> str | None:
-    """The diffusers module path, '.' written '_', of an sgm-named UNet layer; None when it is not one."""
-    if flat in _SGM_OUTSIDE_BLOCKS:
-        return _SGM_OUTSIDE_BLOCKS[flat]
-    match = _SGM_BLOCK.fullmatch(flat)
-    if match is None:
-        return None
-    if match.group(5) is not None:  # middle_block.M: resnet, attention, resnet
-        sub, rest = int(match.group(5)), match.group(6) or ""
-        place = {0: ("mid_block_resnets_0", "resnet"), 1: ("mid_block_attentions_0", "attention"),
-                 2: ("mid_block_resnets_1", "resnet")}.get(sub)  # fmt: skip
+    if len(modules) == 1 and not original.swap_halves:
+        return FileLayer(component, modules[0], name, tensors)
+    if original.swap_halves:
+        rows = model.shape(component, modules[0]).out_features
+        parts = (LayerPart(modules[0], ((rows // 2, rows), (0, rows // 2))),)
     else:
-        index, sub, rest = int(match.group(2)), int(match.group(3)), match.group(4) or ""
-        blocks = _sgm_input_block if match.group(1) == "input_blocks" else _sgm_output_block
-        place = blocks(index, sub, config)
-    if place is None or not rest:
-        return None
-    prefix, kind = place
-    if kind == "resnet":
-        rest = _SGM_RESNET.get(rest, rest)
-    elif kind == "sampler":
-        rest = {"op": "conv", "conv": "conv"}.get(rest, rest)
-    return f"{prefix}_{rest}"
+        parts, start = [], 0
+        for module in modules:
+            stop = start + model.shape(component, module).out_features
+            parts.append(LayerPart(module, ((start, stop),)))
+            start = stop
+    return FileLayer(component, ", ".join(modules), name, tensors, tuple(parts))

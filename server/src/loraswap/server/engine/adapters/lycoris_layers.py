@@ -11,6 +11,7 @@ is formed from them, in float32, only when a fused swap merges the layer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,8 @@ class ReadLayer:
     def plain_lora(self) -> LowRank | None:
         """The LoRA factors when the change is a plain LoRA (no Tucker core, no DoRA, no bias): the slot's form."""
         change = self.change
-        if isinstance(change.change, LowRank) and change.change.mid is None:
-            if change.bias is None and change.dora_scale is None:
-                return change.change
-        return None
+        plain = isinstance(change.change, LowRank) and change.change.mid is None
+        return change.change if plain and change.bias is None and change.dora_scale is None else None
 
 
 def _required(layer: FileLayer, names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -69,7 +68,7 @@ def _alpha(layer: FileLayer) -> float | None:
             reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
         )
     value = float(alpha.reshape(()).to(torch.float64))
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise AdapterFormatError(
             f"layer {shorten(layer.name)} has alpha {value}; alpha must be a finite number",
             reason=ErrorReason.ADAPTER_NOT_FINITE,
@@ -173,7 +172,9 @@ def read_layer(layer: FileLayer, shape: LayerShape, *, pin_memory: bool = False)
         try:
             read.dense_delta(META, shape.weight)
         except (RuntimeError, ValueError, IndexError) as exc:
-            raise _shape_error(layer, shape, f"has factors that do not rebuild its weight ({shorten(exc, 160)})") from exc
+            raise _shape_error(
+                layer, shape, f"has factors that do not rebuild its weight ({shorten(exc, 160)})"
+            ) from exc
     if pin_memory:
         read = _pinned(read)
     return ReadLayer(layer.component, layer.module, read)
@@ -181,6 +182,7 @@ def read_layer(layer: FileLayer, shape: LayerShape, *, pin_memory: bool = False)
 
 def _pinned(change: LayerChange) -> LayerChange:
     """The same change over pinned copies of its tensors, so merges on a CUDA device copy them asynchronously."""
+
     def pin(tensor):
         return tensor.contiguous().pin_memory() if isinstance(tensor, torch.Tensor) else tensor
 
@@ -191,5 +193,24 @@ def _pinned(change: LayerChange) -> LayerChange:
 
 
 def read_layers(layers: list[FileLayer], model: ModelLayers, *, pin_memory: bool = False) -> list[ReadLayer]:
-    """Every file layer read (file_layers resolved each to a layer of `model`)."""
-    return [read_layer(layer, model.shape(layer.component, layer.module), pin_memory=pin_memory) for layer in layers]
+    """Every file layer read (file_layers resolved each to a layer of `model`); a stacked one read whole against
+    its stack's shape, then cut into its parts' rows."""
+    read = []
+    for layer in layers:
+        if not layer.parts:
+            read.append(read_layer(layer, model.shape(layer.component, layer.module), pin_memory=pin_memory))
+            continue
+        stacked = layer.stacked_shape(model)
+        whole = read_layer(layer, stacked, pin_memory=pin_memory).change
+        for part in layer.parts:
+            try:
+                change = whole.rows(part.rows, stacked.weight)
+            except ValueError as exc:
+                raise AdapterFormatError(
+                    f"layer {shorten(layer.name)} stacks {layer.module} and has a weight decomposition (dora_scale) "
+                    f"normalised over its input columns: {exc}, so it cannot be cut into them",
+                    reason=ErrorReason.ADAPTER_KIND_UNSUPPORTED,
+                    kind="DoRA normalised over input columns, on a stacked layer",
+                ) from exc
+            read.append(ReadLayer(layer.component, part.module, change))
+    return read

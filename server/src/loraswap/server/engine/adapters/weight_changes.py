@@ -14,6 +14,9 @@ and LoKr by alpha/rank twice:
   `lokr_t2`); γ = alpha / rank, the rank of the side that is a product (w1's first), and 1 when both sides are
   whole: a whole factor ignores alpha, so a placeholder alpha beside two whole factors scales nothing.
 - `Full` (`diff`): ΔW itself.
+- `RowsOf`: some rows of another change's ΔW, for a layer a file stores stacked with others by rows (BFL Flux's
+  qkv); `change_rows` cuts the factors themselves where a kind's rows are a factor's rows (LoRA's up, LoHa's a
+  factors, a full difference), so only LoKr forms the stack's ΔW to cut it.
 
 Alpha follows kohya and LyCORIS: absent or 0 means alpha = rank (γ = 1).
 
@@ -26,7 +29,9 @@ per-row (or per-column) magnitude of a weight-decomposed (DoRA) adapter. At stre
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +178,61 @@ class Full:
         return _f32(self.diff, device)
 
 
-WeightChange = LowRank | Hadamard | Kronecker | Full
+Rows = tuple[tuple[int, int], ...]  # [start, stop) ranges, taken in order
+
+
+def take_rows(tensor: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
+    """These rows of `tensor` along `dim`: a view when they are one range."""
+    parts = [tensor.narrow(dim, start, stop - start) for start, stop in rows]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+@dataclass(frozen=True)
+class RowsOf:
+    """Rows of another change's ΔW, the change of a layer stored stacked with others (`stacked_shape`)."""
+
+    of: LowRank | Hadamard | Kronecker | Full
+    rows: Rows
+    stacked_shape: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.of.kind
+
+    @property
+    def rank(self) -> int:
+        return self.of.rank
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.of.tensors
+
+    def dense(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
+        return take_rows(self.of.dense(device, self.stacked_shape).reshape(self.stacked_shape), self.rows)
+
+
+WeightChange = LowRank | Hadamard | Kronecker | Full | RowsOf
+
+
+def change_rows(change: WeightChange, rows: Rows, stacked_shape: tuple[int, ...]) -> WeightChange:
+    """The change of these rows of a stacked layer's `change`: its own factors cut where a kind allows."""
+    if isinstance(change, LowRank):  # up is (out, rank, ...) with or without a core
+        return dataclasses.replace(change, up=take_rows(change.up, rows))
+    if isinstance(change, Hadamard):  # the a factors hold the rows: (out, rank), or (rank, out) beside a core
+        dim = 0 if change.t1 is None else 1
+        return dataclasses.replace(change, w1a=take_rows(change.w1a, rows, dim), w2a=take_rows(change.w2a, rows, dim))
+    if isinstance(change, Full):
+        return Full(take_rows(change.diff, rows))
+    return RowsOf(change, rows, stacked_shape)
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes these tensors hold, each storage counted once (the rows of a stacked layer share theirs)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 @dataclass(frozen=True)
@@ -203,7 +262,27 @@ class LayerChange:
 
     @property
     def nbytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
+        return held_bytes(self.tensors)
+
+    def per_row_dora(self) -> bool:
+        """Whether the weight decomposition's norms are over output rows (LyCORIS wd_on_output, the default)."""
+        scale = self.dora_scale
+        return scale is not None and (scale.dim() == 1 or scale.shape[1] == 1)
+
+    def rows(self, rows: Rows, stacked_shape: tuple[int, ...]) -> LayerChange:
+        """The change of these rows of a stacked layer this change is of. Raises ValueError for a weight
+        decomposition normalised over input columns: its norms span every layer of the stack."""
+        dora_scale = self.dora_scale
+        if dora_scale is not None:
+            if not self.per_row_dora():
+                raise ValueError("a weight decomposition normalised over input columns spans every stacked layer")
+            dora_scale = take_rows(dora_scale, rows)
+        return LayerChange(
+            change_rows(self.change, rows, stacked_shape) if self.change is not None else None,
+            take_rows(self.bias, rows) if self.bias is not None else None,
+            dora_scale,
+            self.dora_eps,
+        )
 
     def dense_delta(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
         """ΔW at strength 1, float32, in the weight's `shape`: the rebuild viewed in the layer's shape, as LyCORIS
@@ -224,7 +303,7 @@ class LayerChange:
             return
         weight = delta.add_(w0)  # W = W0 + ΔW, at strength 1
         magnitude = _f32(self.dora_scale, merged.device)
-        if magnitude.shape[0] == weight.shape[0] and (magnitude.dim() == 1 or magnitude.shape[1] == 1):
+        if self.per_row_dora():
             norm = weight.reshape(weight.shape[0], -1).norm(dim=1)
             norm = norm.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
         else:
