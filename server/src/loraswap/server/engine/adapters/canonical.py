@@ -258,7 +258,7 @@ def _refuse_non_finite(key: str, raw: torch.Tensor, converted: torch.Tensor) -> 
 def _check_a(key: str, raw: torch.Tensor, a: torch.Tensor) -> None:
     # One reduction instead of an element-wise pass: any NaN or inf makes the sum non-finite.
     # A finite tensor whose sum overflows only costs the exact check below.
-    if not torch.isfinite(a.sum()) and not torch.isfinite(a).all():
+    if not math.isfinite(float(a.sum())) and not torch.isfinite(a).all():
         _refuse_non_finite(key, raw, a)
 
 
@@ -403,7 +403,9 @@ def _canonical_layers(
         layer = _slot_layer(module, state_dict[a_key], state_dict[b_key], scaling, spec, (a_key, b_key))
         magnitude = _fused_vector(state_dict, module, (MAGNITUDE_SUFFIX, MAGNITUDE_SUFFIX + ".weight"), 1.0, spec)
         bias = _fused_vector(state_dict, module, (BIAS_SUFFIX,), scaling, spec)
-        layers[module] = dataclasses.replace(layer, magnitude=magnitude, bias=bias)
+        if magnitude is not None or bias is not None:
+            layer = dataclasses.replace(layer, magnitude=magnitude, bias=bias)
+        layers[module] = layer
     return layers
 
 

@@ -91,10 +91,11 @@ def _component_of(layer: str, prefixes: Mapping[str, str]) -> tuple[str, str] | 
 
 def kohya_style_keys(state_dict: Mapping[str, torch.Tensor], prefixes: Mapping[str, str]) -> set[str]:
     """The keys spelled `<prefix>_<layer>.<tensor>` with one of the family's kohya prefixes."""
+    starts = tuple(prefix + "_" for prefix in prefixes)
     return {
         key
         for key in state_dict
-        if (split := _split_key(key)) is not None and _component_of(split[0], prefixes) is not None
+        if key.startswith(starts) and (split := _split_key(key)) is not None and _component_of(split[0], prefixes)
     }
 
 

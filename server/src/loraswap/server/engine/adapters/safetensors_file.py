@@ -5,14 +5,19 @@ whose `__metadata__` maps text to text), then the tensors' bytes. One parser rea
 - the header alone (`read_safetensors_metadata`), for the base-model declarations checked before the tensors are
   read; a header that cannot be parsed declares nothing there, since the whole-file read refuses it with the
   reason why;
-- the whole file (`read_adapter_file`), read once and held to the server's size limit, decoded by safetensors,
-  and the LoraConfig that diffusers stores in its metadata checked before anything parses it further.
+- the whole file (`read_adapter_file`), held to the server's size limit, each tensor read straight from the file
+  into a buffer of its own (one copy, what reading a mapped file and copying it out costs; no intermediate
+  bytes object), after the header is checked as safetensors checks it: known dtypes, every
+  tensor's bytes matching its shape, the tensors covering the data exactly, without holes or overlaps; and the
+  LoraConfig that diffusers stores in its metadata checked before anything parses it further.
 """
 
 from __future__ import annotations
 
-import io
 import json
+import math
+import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -30,18 +35,30 @@ LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 MAX_METADATA_CHARS = 1 << 20
 
 
-def _header_metadata(stream: BinaryIO, limit: int) -> dict:
-    """The `__metadata__` of the header `stream` starts with, {} when it has none.
+def _header(stream: BinaryIO, limit: int) -> tuple[dict, int]:
+    """The header `stream` starts with, and its length.
 
-    Raises ValueError or RecursionError when the header's length is not in 1..limit or the header is not JSON.
+    Raises ValueError or RecursionError when the header's length is not in 1..limit or the header is not a JSON
+    object.
     """
     length = int.from_bytes(stream.read(8), "little")
     # Checked before reading: the length is untrusted and may claim any size up to 2**64.
     if not 0 < length <= limit:
         raise ValueError(f"a header length of {length} bytes, outside 1..{limit}")
     header = json.loads(stream.read(length))
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(header, dict):
+        raise ValueError("a header that is not a JSON object")  # noqa: TRY004 (one error type: an unreadable file)
+    return header, length
+
+
+def _metadata_of(header: dict) -> dict:
+    metadata = header.get("__metadata__")
     return metadata if isinstance(metadata, dict) else {}
+
+
+def _header_metadata(stream: BinaryIO, limit: int) -> dict:
+    """The `__metadata__` of the header `stream` starts with, {} when it has none (raises as _header does)."""
+    return _metadata_of(_header(stream, limit)[0])
 
 
 def read_safetensors_metadata(path: Path, max_bytes: int = 0) -> dict:
@@ -55,24 +72,72 @@ def read_safetensors_metadata(path: Path, max_bytes: int = 0) -> dict:
         return {}
 
 
-def _read_bytes(adapter_file: AdapterFile) -> bytes:
-    """The whole file, read once (never mapped) and held to the size limit even if it grew since it was found."""
-    limit = adapter_file.max_bytes
-    try:
-        with open(adapter_file.path, "rb") as handle:
-            data = handle.read(limit + 1) if limit else handle.read()
-    except OSError as exc:
-        raise AdapterFormatError(
-            f"adapter {shorten(adapter_file.name)!r} cannot be read ({exc.strerror or type(exc).__name__}); "
-            "check the file and its permissions"
-        ) from exc
-    if limit and len(data) > limit:
-        raise AdapterTooLargeError(
-            f"adapter {shorten(adapter_file.name)!r} is over the server's limit of {limit} bytes "
-            "(--max-adapter-bytes); use a smaller rank or fewer layers",
-            max_bytes=limit,
-        )
-    return data
+# safetensors' dtype names -> (torch's, bytes per element).
+_DTYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "I64": ("int64", 8), "I32": ("int32", 4),
+    "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+}  # fmt: skip
+
+
+def _layout(header: dict, data_bytes: int) -> list[tuple[str, str, list[int], int, int]]:
+    """(name, torch dtype, shape, start, stop) of each tensor, in file order, checked as safetensors checks a
+    header: known dtypes, whole-number shapes, each tensor's bytes its shape's, the data covered exactly.
+    Raises ValueError saying what is wrong."""
+    entries = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
+            raise ValueError(f"tensor {shorten(name)!r} has no dtype safetensors knows")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {shorten(name)!r} has an invalid shape")
+        if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
+            raise ValueError(f"tensor {shorten(name)!r} has invalid data offsets")
+        dtype, itemsize = _DTYPES[entry["dtype"]]
+        start, stop = offsets
+        if stop - start != math.prod(shape) * itemsize:
+            raise ValueError(f"tensor {shorten(name)!r} has {stop - start} bytes for shape {shape}")
+        entries.append((name, dtype, shape, start, stop))
+    entries.sort(key=lambda entry: entry[3])
+    end = 0
+    for name, _, _, start, stop in entries:
+        if start != end:
+            raise ValueError(f"tensor {shorten(name)!r} starts at byte {start} of the data, not {end}")
+        end = stop
+    if end != data_bytes:
+        raise ValueError(f"the tensors hold {end} bytes, the file's data {data_bytes}")
+    return entries
+
+
+def _read_into(handle: BinaryIO, buffer) -> None:
+    view = memoryview(buffer)
+    while view.nbytes:
+        read = handle.readinto(view)
+        if not read:
+            raise ValueError("the file ends inside its tensors' data")
+        view = view[read:]
+
+
+def _read_tensors(handle: BinaryIO, size: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every tensor of an open safetensors file of `size` bytes, each read into a buffer of its own, and the
+    header's metadata."""
+    import torch
+
+    header, length = _header(handle, min(MAX_HEADER_BYTES, max(size - 8, 0)))
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise ValueError("__metadata__ that is not a map of text to text")
+    tensors = {}
+    for name, dtype, shape, start, stop in _layout(header, size - 8 - length):
+        buffer = torch.empty(stop - start, dtype=torch.uint8)
+        _read_into(handle, buffer.numpy())
+        tensor = buffer.view(getattr(torch, dtype))
+        if sys.byteorder != "little":  # safetensors stores little-endian
+            tensor = tensor.view(torch.uint8).view(-1, tensor.element_size()).flip(1).reshape(-1).view(tensor.dtype)
+        tensors[name] = tensor.reshape(shape)
+    return tensors, metadata
 
 
 def _lora_adapter_metadata(raw: str | None, label: str) -> dict | None:
@@ -102,22 +167,33 @@ def _lora_adapter_metadata(raw: str | None, label: str) -> dict | None:
 def read_adapter_file(adapter_file: AdapterFile) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Tensors and LoraConfig metadata of an adapter file.
 
-    Every tensor owns a copy of its bytes: nothing stays mapped from the file (safe_open would mmap it), so a
+    The tensors hold a copy of the file's bytes: nothing stays mapped from the file (safe_open would mmap it), so a
     file truncated or rewritten after it was cached can neither crash the server (SIGBUS on a mapped page) nor
-    change the validated weights the cache holds.
+    change the validated weights the cache holds. The size limit is held at reading time, even if the file grew
+    since it was found.
     """
-    from safetensors.torch import load
-
-    data = _read_bytes(adapter_file)
     label = shorten(adapter_file.name)
+    limit = adapter_file.max_bytes
     try:
-        state_dict = load(data)
-        header = _header_metadata(io.BytesIO(data), MAX_HEADER_BYTES)
-    # Decoding untrusted bytes: whatever safetensors or torch raise means the same thing, an unreadable file.
-    except Exception as exc:
+        with open(adapter_file.path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if limit and size > limit:
+                raise AdapterTooLargeError(
+                    f"adapter {label!r} is over the server's limit of {limit} bytes (--max-adapter-bytes); use a "
+                    "smaller rank or fewer layers",
+                    max_bytes=limit,
+                )
+            try:
+                state_dict, metadata = _read_tensors(handle, size)
+            # Decoding untrusted bytes: whatever json or torch raise means the same thing, an unreadable file.
+            except (ValueError, RecursionError, OverflowError, RuntimeError, TypeError) as exc:
+                raise AdapterFormatError(
+                    f"adapter {label!r} is not a readable safetensors file ({shorten(exc)}); "
+                    "re-export or re-download the adapter"
+                ) from exc
+    except OSError as exc:
         raise AdapterFormatError(
-            f"adapter {label!r} is not a readable safetensors file ({shorten(exc)}); "
-            "re-export or re-download the adapter"
+            f"adapter {label!r} cannot be read ({exc.strerror or type(exc).__name__}); check the file and its "
+            "permissions"
         ) from exc
-    del data
-    return state_dict, _lora_adapter_metadata(header.get(LORA_ADAPTER_METADATA_KEY), label)
+    return state_dict, _lora_adapter_metadata(metadata.get(LORA_ADAPTER_METADATA_KEY), label)
