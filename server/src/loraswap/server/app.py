@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Awaitable
@@ -205,6 +206,7 @@ async def serve(settings: Settings) -> bool:
             raise running.warming.exception()
         if not stopping.done():
             print(f"loraswap: serving {settings.engine.model} on port {running.port}", flush=True)
+            freeze_start_up_objects()
             await stopping
         return await _stop_and_report(running, settings.grace_seconds, hurry)
     finally:
@@ -213,6 +215,15 @@ async def serve(settings: Settings) -> bool:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
+
+
+def freeze_start_up_objects() -> None:
+    """Move what start-up made (the pipeline's modules and tensors, compiled graphs: over half a million objects on
+    full-size SDXL) out of the garbage collector's generations, so that a full collection scans only what serving
+    allocates: unfrozen, each one paused the process (adapter loads, the event loop, step streaming) for about
+    0.3 s. For a process that keeps its one pipeline until it exits."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _stop_and_report(running: RunningServer, grace: float, hurry: asyncio.Event) -> bool:
