@@ -247,3 +247,49 @@ def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_la
     assert torch.equal(layer.weight, whole)
     fused.merge(())
     assert torch.equal(layer.weight, w0)
+
+
+def _kind_changes(out_features: int, in_features: int, generator: torch.Generator) -> dict[str, object]:
+    from loraswap.server.engine.adapters.weight_changes import Full, Hadamard, Kronecker, LayerChange, LowRank
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator) * 0.05
+
+    magnitude = 1 + 0.1 * draw(out_features, 1)
+    return {
+        "lora": LayerChange(LowRank(draw(6, in_features), draw(out_features, 6), None, 0.5)),
+        "loha": LayerChange(Hadamard(draw(out_features, 4), draw(4, in_features), draw(out_features, 4),
+                                     draw(4, in_features), None, None, 2.0)),
+        # w2 of 21 rows (a period that divides no block size of the CPU's scratch), decomposed and whole.
+        "lokr": LayerChange(Kronecker(draw(out_features // 21, 8), None, None, None, draw(21, 4),
+                                      draw(4, in_features // 8), None, 1.5)),
+        "lokr-whole": LayerChange(Kronecker(draw(out_features // 21, 8), None, None, draw(21, in_features // 8),
+                                            None, None, None, 1.0)),
+        "full": LayerChange(Full(draw(out_features, in_features))),
+        "loha+dora": LayerChange(Hadamard(draw(out_features, 4), draw(4, in_features), draw(out_features, 4),
+                                          draw(4, in_features), None, None, 1.0), None, magnitude, 1e-6),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha", "lokr", "lokr-whole", "full", "loha+dora"])
+def test_every_kind_merged_in_row_blocks_equals_its_whole_layer_merge(kind: str) -> None:
+    """A layer of several CPU blocks: each kind's rows formed block by block (LoKr's in whole periods of w2's rows)
+    give what its whole-layer ΔW gives (add_to), beside a plain LoRA of the slot in the same merge."""
+    from loraswap.server.engine.adapters.fused import CPU_SCRATCH_ELEMENTS, FusedWeights
+
+    generator = torch.Generator().manual_seed(1)
+    layer = torch.nn.Linear(1000, 1050, bias=False)  # 1050 rows of 1000: 3 blocks
+    assert layer.weight.numel() > 2 * CPU_SCRATCH_ELEMENTS
+    w0 = layer.weight.detach().clone()
+    change = _kind_changes(1050, 1000, generator)[kind]
+    b, a = torch.randn(1050, 4, generator=generator) * 0.05, torch.randn(4, 1000, generator=generator) * 0.05
+    slot = CanonicalAdapter(name="slot", source="test", warnings=(), load_ms=0.0, layers={"big": CanonicalLayer(a, b)})
+    lycoris = CanonicalAdapter(name=kind, source="test", warnings=(), load_ms=0.0, layers={}, fits_slot=False,
+                               changes={("denoiser", "big"): change})  # fmt: skip
+    fused = FusedWeights.over_layers("denoiser", {"big": layer})
+    fused.merge(((slot, 0.5), (lycoris, 0.8)))
+    whole = torch.addmm(w0, b * 0.5, a)
+    change.add_to(whole, w0, 0.8)
+    torch.testing.assert_close(layer.weight, whole, rtol=1e-5, atol=1e-6)
+    fused.merge(())
+    assert torch.equal(layer.weight, w0)

@@ -31,6 +31,7 @@ refused and leaves the base weights as they were before it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 
@@ -240,9 +241,9 @@ class FusedWeights:
                 changes.append((change, scale))
                 if change.bias is not None:
                     biases.append((change.bias, scale))
-        if not dora and not changes:
-            finite = self._merge_plain_rows(layer.weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1),
-                                            plain_b, plain_a)  # fmt: skip
+        periods = [change.row_period for change, _ in changes]
+        if not dora and None not in periods:
+            finite = self._merge_rows(layer.weight, w0, plain_b, plain_a, changes, math.lcm(1, *periods))
             return self._merge_bias(key, layer, biases, finite)
         merged = self._whole(w0.numel())[: w0.numel()].view(w0.shape)
         merged.copy_(w0)
@@ -264,25 +265,33 @@ class FusedWeights:
         layer.weight.copy_(merged)
         return self._merge_bias(key, layer, biases, _all_finite(layer.weight))
 
-    def _merge_plain_rows(
-        self, weight: torch.Tensor, w0: torch.Tensor, plain_b: list[torch.Tensor], plain_a: list[torch.Tensor]
+    def _merge_rows(
+        self, weight: torch.Tensor, w0: torch.Tensor, plain_b: list[torch.Tensor], plain_a: list[torch.Tensor],
+        changes: list, period: int,
     ) -> torch.Tensor:
-        """weight = W0 + sum of the LoRAs' s B A, a block of rows at a time (see CPU_SCRATCH_ELEMENTS): each block
-        W0 into float32, the product added there, rounded once into the weight. Returns whether it is finite."""
+        """weight = W0 + the LoRAs' s B A + the changes' rows, a block of rows at a time (see CPU_SCRATCH_ELEMENTS;
+        a multiple of `period` rows, the changes' row_period): each block W0 into float32, the products and the
+        changes' rows added there, rounded once into the weight. Returns whether it is finite."""  # fmt: skip
+        rows_of_weight = weight.view(w0.shape[0], -1)
+        w0 = w0.view(w0.shape[0], -1)
         b = torch.cat(plain_b, dim=1) if plain_b else None
         a = torch.cat(plain_a, dim=0) if plain_a else None
         block_elements = min(w0.numel(), CPU_SCRATCH_ELEMENTS) if self._device.type == "cpu" else w0.numel()
-        rows = max(1, block_elements // w0.shape[1])
+        rows = max(period, block_elements // w0.shape[1] // period * period)
         scratch = self._whole(rows * w0.shape[1])
+        dora = any(change.dora_scale is not None for change, _ in changes)
         finite = []
         for start in range(0, w0.shape[0], rows):
             stop = min(w0.shape[0], start + rows)
             block = scratch[: (stop - start) * w0.shape[1]].view(stop - start, w0.shape[1])
             block.copy_(w0[start:stop])
+            w0_rows = block.clone() if dora else block  # a weight decomposition's own W0 rows
             if b is not None:
                 # A sum of LoRAs is one LoRA of their factors side by side: one product for the whole stack.
                 block.addmm_(b[start:stop], a)
-            written = weight[start:stop]
+            for change, scale in changes:
+                change.add_rows(block, w0_rows, scale, (start, stop), tuple(weight.shape))
+            written = rows_of_weight[start:stop]
             written.copy_(block)
             finite.append(_all_finite(written))  # the block is still in cache
         return torch.stack(finite).all()

@@ -79,6 +79,16 @@ class LowRank:
             return (up @ down).reshape(up.shape[0], *self.down.shape[1:])
         return _tucker(_f32(self.mid, device), up.transpose(0, 1), down)
 
+    row_period = 1
+
+    def dense_rows(self, device: torch.device, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of ΔW, flattened to (rows, in * k)."""
+        up = _f32(self.up[start:stop], device).reshape(stop - start, -1) * self.scale
+        if self.mid is None:
+            return up @ _f32(self.down, device).reshape(self.rank, -1)
+        return _tucker(_f32(self.mid, device), up.transpose(0, 1), _f32(self.down, device).reshape(self.rank, -1)
+                       ).reshape(stop - start, -1)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Hadamard:
@@ -112,6 +122,20 @@ class Hadamard:
             first = torch.einsum("i j ..., j r, i p -> p r ...", _f32(self.t1, device), w1b, w1a)
             second = torch.einsum("i j ..., j r, i p -> p r ...", _f32(self.t2, device), w2b, w2a)
         return first * second * self.scale
+
+    row_period = 1
+
+    def dense_rows(self, device: torch.device, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of ΔW, flattened to (rows, in * k): the a factors' rows, the b factors whole."""
+        if self.t1 is None:
+            first = _f32(self.w1a[start:stop], device) @ _f32(self.w1b, device).reshape(self.rank, -1)
+            second = _f32(self.w2a[start:stop], device) @ _f32(self.w2b, device).reshape(self.rank, -1)
+        else:
+            first = torch.einsum("i j ..., j r, i p -> p r ...", _f32(self.t1, device), _f32(self.w1b, device),
+                                 _f32(self.w1a[:, start:stop], device))  # fmt: skip
+            second = torch.einsum("i j ..., j r, i p -> p r ...", _f32(self.t2, device), _f32(self.w2b, device),
+                                  _f32(self.w2a[:, start:stop], device))  # fmt: skip
+        return (first * second).reshape(stop - start, -1).mul_(self.scale)
 
 
 @dataclass(frozen=True)
@@ -159,6 +183,22 @@ class Kronecker:
             w1 = w1.unsqueeze(-1)
         return torch.kron(w1, w2.contiguous()) * self.scale
 
+    @property
+    def row_period(self) -> int:
+        """The rows of w2: ΔW's rows come in blocks of that many, w1's row by w1's row."""
+        if self.w2 is not None:
+            return self.w2.shape[0]
+        return self.w2a.shape[1] if self.t2 is not None else self.w2a.shape[0]
+
+    def dense_rows(self, device: torch.device, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rows [start, stop) of ΔW (multiples of row_period; `shape`: the layer's weight), flattened to (rows,
+        in * k): w1's rows start / period to stop / period, Kronecker with the whole w2."""
+        period = self.row_period
+        w1 = _f32(self.w1, device) if self.w1 is not None else _f32(self.w1a, device) @ _f32(self.w1b, device)
+        part = Kronecker(w1[start // period : stop // period], None, None, self.w2, self.w2a, self.w2b, self.t2,
+                         self.scale)  # fmt: skip
+        return part.dense(device, shape).reshape(stop - start, -1)
+
 
 @dataclass(frozen=True)
 class Full:
@@ -176,6 +216,11 @@ class Full:
 
     def dense(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
         return _f32(self.diff, device)
+
+    row_period = 1
+
+    def dense_rows(self, device: torch.device, start: int, stop: int) -> torch.Tensor:
+        return _f32(self.diff[start:stop], device).reshape(stop - start, -1)
 
 
 Rows = tuple[tuple[int, int], ...]  # [start, stop) ranges, taken in order
@@ -209,6 +254,8 @@ class RowsOf:
 
     def dense(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
         return take_rows(self.of.dense(device, self.stacked_shape).reshape(self.stacked_shape), self.rows)
+
+    row_period = None  # formed whole, then cut: merged whole
 
 
 WeightChange = LowRank | Hadamard | Kronecker | Full | RowsOf
@@ -292,6 +339,39 @@ class LayerChange:
         if delta.shape[0] != shape[0] or delta.numel() != math.prod(shape):
             raise ValueError(f"the change is {tuple(delta.shape)}, the layer's weight {shape}")
         return delta.reshape(shape)
+
+    @property
+    def row_period(self) -> int | None:
+        """The row blocks a merge may form this change's ΔW in (add_rows): any multiple of this many rows; None
+        when only the whole layer at once can (a change cut from a stacked one, a DoRA normalised per column)."""
+        if self.change is None:
+            return 1
+        if self.dora_scale is not None and not self.per_row_dora():
+            return None
+        return self.change.row_period
+
+    def add_rows(
+        self, block: torch.Tensor, w0_rows: torch.Tensor, strength: float, rows: tuple[int, int], shape: tuple[int, ...]
+    ) -> None:
+        """block (float32: `rows` of the weight, of `shape`, flattened to (rows, in * k)) += this change's rows at
+        `strength`, as add_to adds them; w0_rows: the same rows of the pristine weight (float32). Rows do not mix
+        in any kind's ΔW nor in a per-row weight decomposition."""
+        if self.change is None:
+            return
+        start, stop = rows
+        if isinstance(self.change, Kronecker):
+            delta = self.change.dense_rows(block.device, start, stop, shape)
+        else:
+            delta = self.change.dense_rows(block.device, start, stop)
+        if self.dora_scale is None:
+            block.add_(delta, alpha=strength)
+            return
+        weight = delta.add_(w0_rows)
+        magnitude = _f32(self.dora_scale[start:stop], block.device).reshape(stop - start, 1)
+        factor = magnitude / (weight.norm(dim=1, keepdim=True) + self.dora_eps)
+        if strength != 1:
+            factor = strength * (factor - 1) + 1
+        block.add_(weight.mul_(factor)).sub_(w0_rows)
 
     def add_to(self, merged: torch.Tensor, w0: torch.Tensor, strength: float) -> None:
         """merged (float32, the weight's shape) += this layer's change at `strength`; w0 is the pristine weight."""
