@@ -68,6 +68,9 @@ PATHS = (
 )
 # The paths that merge into the base weights: they need the pristine copies of the slot layers' weights.
 FUSE_PATHS = ("loraswap_fuse", "floor_fuse")
+# Paths measured round by round together with their floor (SwapBench.measure_interleaved), so that whatever else
+# the machine does hits a ratio's two sides alike.
+INTERLEAVED = (("loraswap_cold", "floor_read_copy"), FUSE_PATHS)
 # Fused swaps timed under torch.profiler for --profile-fuse (the op breakdown of FusedWeights.merge).
 PROFILED_FUSE_SWAPS = 4
 # Measured over a pair of stacks (tuples of adapter files) instead of a pair of adapters.
@@ -183,6 +186,79 @@ def write_lora_file(
     return directory / ADAPTER_WEIGHT_NAME
 
 
+# LyCORIS kinds measured fused against the headline LoRA (--kinds): each kind's layers, as kohya/LyCORIS files
+# name them (`lora_unet_<module path>`). LoCon adds the resnets' convs and time_emb_proj to the attention layers.
+KINDS = ("loha", "lokr", "locon")
+RESNET_LAYERS = ("conv1", "conv2", "conv_shortcut", "time_emb_proj")
+
+
+def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
+    """LyCORIS's split of a LoKr dimension into (m, n), m <= n, m * n = dimension: the most even one when factor
+    is -1, else m as close to factor as the dimension allows (lycoris/functional/general.py)."""
+    if factor > 0 and dimension % factor == 0:
+        return tuple(sorted((factor, dimension // factor)))
+    factor = dimension if factor < 0 else factor
+    m, n = 1, dimension
+    while m < n:
+        new_m = m + 1
+        while dimension % new_m:
+            new_m += 1
+        new_n = dimension // new_m
+        if new_m + new_n > m + n or new_m > factor:
+            break
+        m, n = new_m, new_n
+    return (m, n) if m <= n else (n, m)
+
+
+def kind_layers(denoiser, kind: str, attention: list[str]) -> list[str]:
+    """The layers a file of `kind` changes: the attention projections, and for LoCon the resnets' layers too."""
+    if kind != "locon":
+        return attention
+    return attention + sorted(name for name, _ in denoiser.named_modules() if ".resnets." in name
+                              and name.rsplit(".", 1)[-1] in RESNET_LAYERS)  # fmt: skip
+
+
+def write_kind_file(denoiser, layer_names: list[str], directory: Path, *, kind: str, rank: int, seed: int) -> Path:
+    """A random LyCORIS file of `kind` (KINDS) on `layer_names`, in the tensor names and shapes LyCORIS writes
+    (alpha = rank; LoKr with LyCORIS's default factorization, w2 decomposed where the rank is below half its
+    side), its factors drawn directly like write_lora_file's."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator("cpu").manual_seed(seed)
+
+    def draw(*shape, scale):
+        return (torch.randn(*shape, generator=generator) * scale).to(denoiser.dtype)
+
+    tensors = {}
+    for name in layer_names:
+        weight = denoiser.get_submodule(name).weight
+        out_features, in_features, window = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
+        fan_in = in_features * (weight[0, 0].numel() if window else 1)
+        prefix = "lora_unet_" + name.replace(".", "_")
+        layer = {"alpha": torch.tensor(float(rank))}
+        if kind == "loha":
+            for side in ("1", "2"):
+                layer[f"hada_w{side}_a"] = draw(out_features, rank, scale=0.1)
+                layer[f"hada_w{side}_b"] = draw(rank, fan_in, scale=fan_in**-0.5)
+        elif kind == "lokr":
+            (out_m, out_n), (in_m, in_n) = factorization(out_features), factorization(in_features)
+            layer["lokr_w1"] = draw(out_m, in_m, scale=0.1)
+            if rank < max(out_n, in_n) / 2:
+                layer["lokr_w2_a"] = draw(out_n, rank, scale=0.1)
+                layer["lokr_w2_b"] = draw(rank, in_n * (weight[0, 0].numel() if window else 1), scale=in_n**-0.5)
+            else:
+                layer["lokr_w2"] = draw(out_n, in_n, *window, scale=in_n**-0.5)
+        else:
+            layer["lora_down.weight"] = draw(rank, in_features, *window, scale=fan_in**-0.5)
+            layer["lora_up.weight"] = draw(out_features, rank, *((1,) * len(window)), scale=0.01)
+        tensors |= {f"{prefix}.{key}": value.contiguous() for key, value in layer.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / ADAPTER_WEIGHT_NAME  # the name diffusers' load_lora_weights looks for in a directory
+    save_file(tensors, str(path))
+    return path
+
+
 class SwapBench:
     """One pipeline, its adapters on disk, and a timed run of each swap path over a pair of adapters."""
 
@@ -218,20 +294,20 @@ class SwapBench:
         return first_s, samples
 
     def measure_interleaved(
-        self, pair: tuple[Path, Path], paths: dict[str, tuple[Callable[[Path], None], Callable[[Path], None]]]
+        self, paths: dict[str, tuple[tuple, Callable[[Path], None], Callable[[Path], None]]]
     ) -> dict[str, tuple[float, list[tuple[Path, float, float]]]]:
-        """`measure` for several paths at once, round by round: each path's `first` in turn, then 1 + repeats
-        rounds in which every path swaps to the same adapter, the order rotated every round (the first round
-        dropped), so that whatever else the machine runs hits them alike. For paths whose costs do not depend
-        on one another's state."""
-        first_s = {name: timed(lambda: first(pair[0]))[0] for name, (first, _) in paths.items()}  # noqa: B023
+        """`measure` for several paths at once (name -> (its pair, first, swap)), round by round: each path's
+        `first` in turn, then 1 + repeats rounds in which every path swaps to its pair's other adapter, the
+        order rotated every round (the first round dropped), so that whatever else the machine runs hits them
+        alike. For paths whose costs do not depend on one another's state."""
+        first_s = {name: timed(lambda: first(pair[0]))[0] for name, (pair, first, _) in paths.items()}  # noqa: B023
         samples: dict[str, list[tuple[Path, float, float]]] = {name: [] for name in paths}
         names = list(paths)
         for index in range(1 + self.repeats):
-            target = pair[(index + 1) % 2]
             shift = index % len(names)
             for name in names[shift:] + names[:shift]:
-                elapsed, cpu = timed(lambda: paths[name][1](target))  # noqa: B023 (called at once)
+                target = paths[name][0][(index + 1) % 2]
+                elapsed, cpu = timed(lambda: paths[name][2](target))  # noqa: B023 (called at once)
                 if index > 0:
                     samples[name].append((target, elapsed, cpu))
         return {name: (first_s[name], samples[name]) for name in names}
@@ -321,13 +397,15 @@ class SwapBench:
         return load_canonical(AdapterFile(name=path.parent.name, path=path, source="local"), self.spec)
 
     def loraswap_cold(self, pair):
+        """`load_canonical` of the file then the slot's load: file to ready. Returns (first, swap) for
+        `interleaved`."""
         import torch
 
         def swap(path):
             with torch.inference_mode():
                 self.residency.load_stack(((self._load_canonical(path), 1.0),))
 
-        return self.measure(pair, swap, swap)
+        return swap, swap
 
     def loraswap_stack(self, pair):
         """`AdapterResidency.load_stack` of canonical adapters in host memory: the cache to a whole stack ready."""
@@ -358,14 +436,15 @@ class SwapBench:
 
         return self.measure(pair, swap, swap)
 
-    def fuse_paths(self, pair, names: tuple[str, ...]) -> dict[str, tuple[float, list[tuple[Path, float, float]]]]:
-        """The fused paths in `names` (FUSE_PATHS), measured round by round together (`measure_interleaved`): a
-        merge's cost does not depend on what the live weights hold (it writes every touched layer from W0), so
-        the floor's writing W0 into them between merges changes nothing the merge does. The base model is
+    def interleaved(self, pair, names: tuple[str, ...]) -> dict[str, tuple[float, list[tuple[Path, float, float]]]]:
+        """Paths of one INTERLEAVED group, measured round by round together (`measure_interleaved`). None depends
+        on what another leaves: a floor writes into tensors of its own or W0 into weights a merge writes whole
+        from W0, and each of loraswap's paths makes the model hold what it swapped to. The base model is
         resident before and after."""
         self.residency.load_stack(())
         try:
-            return self.measure_interleaved(pair, {name: getattr(self, name)(pair) for name in names})
+            paths = {name: (pair, *getattr(self, name)(pair)) for name in names}
+            return self.measure_interleaved(paths)
         finally:
             self.residency.load_stack(())  # W0 back in every base weight, for the paths after these
 
@@ -373,7 +452,7 @@ class SwapBench:
         """`AdapterResidency.load_stack(((adapter, 1.0),), fused=True)` of an adapter in canonical form in host memory:
         the cache to ready with the adapter merged into the base weights of the layers it touches (W0 + B A, from
         the pristine copies, accumulated in float32 and rounded once), what a fused swap in the server does.
-        Returns (first, swap) for `fuse_paths`."""
+        Returns (first, swap) for `interleaved`."""
         import torch
 
         for path in pair:
@@ -417,6 +496,66 @@ class SwapBench:
             },
         }
 
+    def fused_kinds(self, headline: tuple[Path, Path], kinds: dict[str, tuple[Path, Path]]) -> dict[str, object]:
+        """Fused swaps of each LyCORIS kind's pair beside the headline LoRA's, round by round together: per path
+        the swap summary and the base-weight bytes a swap reads and writes (`fused_weight_bytes`); per kind its
+        swap's cost per touched byte over the LoRA's (`over_lora_per_byte`: for LoHa and LoKr, which change the
+        LoRA's layers, the plain ratio)."""
+        import torch
+
+        adapters = {str(path): self._load_canonical(path) for pair in (headline, *kinds.values()) for path in pair}
+        fused = self.residency.fused_weights
+
+        def swap(path):
+            with torch.inference_mode():
+                self.residency.load_stack(((adapters[str(path)], 1.0),), fused=True)
+
+        pairs = {"loraswap_fuse": headline} | {f"loraswap_fuse_{kind}": pair for kind, pair in kinds.items()}
+        self.residency.load_stack(())
+        try:
+            measured = self.measure_interleaved({name: (pair, swap, swap) for name, pair in pairs.items()})
+        finally:
+            self.residency.load_stack(())
+        paths = {}
+        for name, (first_s, samples) in measured.items():
+            paths[name] = summarize_swaps([(wall, cpu) for _, wall, cpu in samples]) | {
+                "first_swap_s": first_s,
+                "fused_weight_bytes": fused.merge_bytes(((adapters[str(pairs[name][0])], 1.0),)),
+                "adapter_file_bytes": pairs[name][0].stat().st_size,
+                "adapter_kinds": list(adapters[str(pairs[name][0])].kinds),
+            }
+            log(f"  {name}: first {first_s:.4f} s, median {paths[name]['median_s']:.4f} s")
+        lora = paths["loraswap_fuse"]
+        per_byte = lora["median_s"] / lora["fused_weight_bytes"]
+        return {
+            "paths": paths,
+            "over_lora_per_byte": {
+                kind: paths[f"loraswap_fuse_{kind}"]["median_s"] / paths[f"loraswap_fuse_{kind}"]["fused_weight_bytes"]
+                / per_byte
+                for kind in kinds
+            },
+            "pristine_bytes": fused.pristine.nbytes,
+        }
+
+    def diffusers_kinds(self, kinds: dict[str, tuple[Path, Path]]) -> dict[str, object]:
+        """For each kind, whether diffusers' load_lora_weights reads its file on the clean model and, where it does,
+        its fuse/unfuse swap between the kind's pair (`diffusers_fuse_unfuse`); the error where it does not."""
+        results = {}
+        for kind, pair in kinds.items():
+            try:
+                self.pipe.load_lora_weights(str(pair[0].parent), adapter_name="probe")
+            except Exception as exc:  # noqa: BLE001 (whatever diffusers raises for a layout it does not read says so)
+                results[kind] = {"loads": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                self.pipe.unload_lora_weights()
+                log(f"  diffusers cannot load the {kind} file: {results[kind]['error'][:120]}")
+                continue
+            self.pipe.unload_lora_weights()
+            first_s, samples = self.diffusers_fuse_unfuse(pair)
+            results[kind] = {"loads": True, "diffusers_fuse_unfuse": summarize_swaps(
+                [(wall, cpu) for _, wall, cpu in samples]) | {"first_swap_s": first_s}}  # fmt: skip
+            log(f"  diffusers_fuse_unfuse of {kind}: median {results[kind]['diffusers_fuse_unfuse']['median_s']:.4f} s")
+        return results
+
     # -- the floors ----------------------------------------------------------------------------------
 
     def floor_copy(self, pair):
@@ -452,7 +591,7 @@ class SwapBench:
         weight), plus the product B @ A of the layer's factors in float32 (`torch.mm(..., out=)` into one
         preallocated float32 scratch, as the merge accumulates; the factors are cast to float32 beforehand,
         untimed). What the merge adds to it: W0 into float32 and the sum back to the model's dtype, the factors'
-        casts, and the finiteness check. Returns (first, swap) for `fuse_paths`."""
+        casts, and the finiteness check. Returns (first, swap) for `interleaved`."""
         import torch
 
         pristine = self.residency.fused_weights.pristine
@@ -476,7 +615,8 @@ class SwapBench:
         return swap, swap
 
     def floor_read_copy(self, pair):
-        """safetensors.torch.load_file of the adapter file plus the floor copy of its tensors."""
+        """safetensors.torch.load_file of the adapter file plus the floor copy of its tensors. Returns (first,
+        swap) for `interleaved`."""
         import torch
         from safetensors.torch import load_file
 
@@ -487,7 +627,7 @@ class SwapBench:
             for key, source in load_file(str(path)).items():
                 targets[path][key].copy_(source)
 
-        return self.measure(pair, swap, swap)
+        return swap, swap
 
     # -- recompilation check -------------------------------------------------------------------------
 
@@ -543,7 +683,8 @@ def _label(item: Path | tuple[Path, ...]) -> str:
 def run_pair(bench: SwapBench, pair: tuple, paths: tuple[str, ...]) -> tuple[dict, dict, dict]:
     """Each path over the pair: summaries over all swaps, first swaps, and summaries by the adapter swapped to.
 
-    The fused paths are measured together, round by round (SwapBench.fuse_paths); the others one after another.
+    Each INTERLEAVED group is measured together, round by round (SwapBench.interleaved); the others one after
+    another.
     """
     results, first, by_target = {}, {}, {}
 
@@ -556,14 +697,16 @@ def run_pair(bench: SwapBench, pair: tuple, paths: tuple[str, ...]) -> tuple[dic
         }
         log(f"  {name}: first {first_s:.4f} s, median {results[name]['median_s']:.4f} s")
 
-    for name in (path for path in paths if path not in FUSE_PATHS):
+    grouped = {name for group in INTERLEAVED for name in group}
+    for name in (path for path in paths if path not in grouped):
         log(f"  {name}: {_label(pair[0])} <-> {_label(pair[1])}")
         record(name, *getattr(bench, name)(pair))
-    fused = tuple(path for path in paths if path in FUSE_PATHS)
-    if fused:
-        log(f"  {' and '.join(fused)}, interleaved: {_label(pair[0])} <-> {_label(pair[1])}")
-        for name, (first_s, samples) in bench.fuse_paths(pair, fused).items():
-            record(name, first_s, samples)
+    for group in INTERLEAVED:
+        names = tuple(path for path in paths if path in group)
+        if names:
+            log(f"  {' and '.join(names)}, interleaved: {_label(pair[0])} <-> {_label(pair[1])}")
+            for name, (first_s, samples) in bench.interleaved(pair, names).items():
+                record(name, first_s, samples)
     return results, first, by_target
 
 
@@ -642,6 +785,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also time the fused swap's ops under torch.profiler (the breakdown of FusedWeights.merge)",
     )
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS),
+        help="LyCORIS kinds whose fused swaps are measured beside the headline LoRA's (SDXL); '' skips",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch CPU threads")
     parser.add_argument("--adapter-dir", type=Path, default=None, help="where to write adapters (default: a temp dir)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON result here")
@@ -650,6 +797,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.mixed and len(args.mixed) != 2:
         parser.error("--mixed-ranks takes two ranks, or '' to skip")
     args.path_list = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    args.kind_list = tuple(kind.strip() for kind in args.kinds.split(",") if kind.strip())
+    if set(args.kind_list) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(set(args.kind_list) - set(KINDS))}; choose from {', '.join(KINDS)}")
     unknown = [p for p in args.path_list if p not in PATHS]
     if unknown:
         parser.error(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
@@ -679,6 +829,7 @@ def main(argv: list[str] | None = None) -> dict:
     in_process_prelude(args.threads)
     import torch
 
+    from loraswap.server.app import freeze_start_up_objects
     from loraswap.server.engine.families import family_of
     from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 
@@ -726,6 +877,15 @@ def main(argv: list[str] | None = None) -> dict:
             for index in range(2 * members)
         ]  # fmt: skip
         stacks = (tuple(stack_files[:members]), tuple(stack_files[members:]))
+    kind_pairs = {}
+    if args.kind_list and family.value == "sdxl":  # the kinds' layers are SDXL's (LoCon: the UNet's resnets)
+        for index, kind in enumerate(args.kind_list):
+            layers = kind_layers(denoiser, kind, layer_names)
+            kind_pairs[kind] = tuple(
+                write_kind_file(denoiser, layers, adapter_dir / f"{kind}-{tag}", kind=kind, rank=args.rank,
+                                seed=100 + 2 * index + offset)
+                for offset, tag in enumerate("ab")
+            )  # fmt: skip
     write_s = time.perf_counter() - started
     headline = (files[f"r{args.rank}-a"], files[f"r{args.rank}-b"])
     mixed = (files[f"r{args.mixed[0]}-a"], files[f"r{args.mixed[1]}-a"]) if args.mixed else None
@@ -739,8 +899,13 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"{label}: diffusers' paths")
         for part, values in zip(measured[label], run_pair(bench, pair, diffusers_paths), strict=True):
             part.update(values)
-    fuse = any(path in FUSE_PATHS for path in own_paths) or args.profile_fuse
+    diffusers_kinds = None
+    if kind_pairs:
+        log("kinds: what diffusers reads")
+        diffusers_kinds = bench.diffusers_kinds(kind_pairs)
+    fuse = any(path in FUSE_PATHS for path in own_paths) or args.profile_fuse or bool(kind_pairs)
     install_s, pristine_s = bench.install_slot(fuse)
+    freeze_start_up_objects()  # as `loraswap serve` does once it serves: no collection pauses over the model
     log(f"loraswap slot installed in {install_s:.2f} s" + (f", pristine copies in {pristine_s:.2f} s" if fuse else ""))
     for label, pair in pairs:
         log(f"{label}: loraswap's paths and the floors")
@@ -750,6 +915,11 @@ def main(argv: list[str] | None = None) -> dict:
     if stacks:
         log("stack: loraswap's stack path and its floor")
         stack_measured = run_pair(bench, stacks, STACK_PATHS)
+
+    kinds_measured = None
+    if kind_pairs:
+        log(f"kinds: fused {', '.join(kind_pairs)} beside the headline LoRA, interleaved")
+        kinds_measured = bench.fused_kinds(headline, kind_pairs) | {"rank": args.rank, "diffusers": diffusers_kinds}
 
     fuse_profile = None
     if args.profile_fuse:
@@ -828,6 +998,8 @@ def main(argv: list[str] | None = None) -> dict:
                 ),
             },
         }
+    if kinds_measured is not None:
+        result["kinds"] = kinds_measured
     if fuse_profile is not None:
         result["fuse_profile"] = fuse_profile
     result["recompilations"] = None if check is None else check["recompilations"]

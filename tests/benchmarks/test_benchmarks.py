@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from benchmarks.swap import PATHS, STACK_PATHS, write_lora_file
+from benchmarks.swap import KINDS, PATHS, STACK_PATHS, factorization, write_lora_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {"median_s", "min_s", "max_s", "n"}
@@ -97,7 +97,39 @@ def test_swap_benchmark_prints_every_path_and_ratio(tmp_path):
     # 4 adapters and 2 stacks, the 4 adapters fused, then the base model, each followed by a compiled run.
     check = report["recompilation_check"]
     assert report["recompilations"] == 0 and check["swaps_checked"] == 11 and check["fused_swaps_checked"] == 4
+    _assert_kinds(report)
     assert json.loads((tmp_path / "swap.json").read_text()) == report
+
+
+def _assert_kinds(report: dict) -> None:
+    """Each LyCORIS kind's fused swaps beside the headline LoRA's: LoHa and LoKr on its layers, LoCon on the
+    resnets' too; diffusers reads the LoCon file and neither the LoHa nor the LoKr one."""
+    kinds = report["kinds"]
+    assert set(kinds["paths"]) == {"loraswap_fuse"} | {f"loraswap_fuse_{kind}" for kind in KINDS}
+    for path in kinds["paths"].values():
+        assert_summary({key: path[key] for key in SWAP_SUMMARY_KEYS}, 2, SWAP_SUMMARY_KEYS)
+    paths = kinds["paths"]
+    assert paths["loraswap_fuse"]["fused_weight_bytes"] == report["fused_weight_bytes"]
+    assert paths["loraswap_fuse_loha"]["fused_weight_bytes"] == paths["loraswap_fuse_lokr"]["fused_weight_bytes"]
+    assert paths["loraswap_fuse_loha"]["fused_weight_bytes"] == report["fused_weight_bytes"]
+    assert paths["loraswap_fuse_locon"]["fused_weight_bytes"] > report["fused_weight_bytes"]
+    assert [paths[f"loraswap_fuse_{kind}"]["adapter_kinds"] for kind in KINDS] == [["loha"], ["lokr"], ["lora"]]
+    assert set(kinds["over_lora_per_byte"]) == set(KINDS)
+    assert_finite_ratios(kinds["over_lora_per_byte"])
+    diffusers = kinds["diffusers"]
+    assert not diffusers["loha"]["loads"] and not diffusers["lokr"]["loads"] and diffusers["loha"]["error"]
+    if diffusers["locon"]["loads"]:
+        assert_summary(
+            {key: diffusers["locon"]["diffusers_fuse_unfuse"][key] for key in SWAP_SUMMARY_KEYS}, 2, SWAP_SUMMARY_KEYS
+        )
+
+
+@pytest.mark.parametrize("dimension", [96, 320, 640, 1280, 2048, 2560, 5120, 10240])
+def test_the_lokr_files_factor_each_side_as_lycoris_does(dimension: int) -> None:
+    from lycoris.functional.general import factorization as lycoris_factorization
+
+    assert factorization(dimension) == tuple(lycoris_factorization(dimension, -1))
+    assert factorization(dimension, 8) == tuple(lycoris_factorization(dimension, 8))
 
 
 def test_serve_benchmark_prints_latency_and_throughput():

@@ -20,7 +20,9 @@ several adapters active):
 - a DoRA adapter: (m / ||W0 + s B A||_row) * (W0 + s B A) - W0, its magnitude m per output row;
 - a trained lora_B bias: s * bias, added to the layer's bias;
 - any other change (a LyCORIS kind, a LoRA of a layer outside the slot, a text-encoder layer): its
-  `LayerChange.add_to` (weight_changes.py, the LyCORIS references' arithmetic), its bias likewise.
+  `LayerChange.add_rows` (weight_changes.py, the LyCORIS references' arithmetic), its bias likewise; a change
+  only formed whole (one cut from a stacked layer, a DoRA normalised per column) and PEFT DoRA merge the whole
+  layer at once (`add_to`).
 
 One writer merges the denoiser's layers (fused swaps, --fuse auto|always), another the text encoders' (whenever a
 resident adapter changes them, fused or not); both draw on one PristineWeights, keyed by (component, module).
@@ -44,7 +46,9 @@ from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason, Inv
 # On the CPU a layer is merged a block of rows at a time, in a float32 scratch of this many elements (2 MiB) that
 # stays in a core's cache: main memory then sees W0 read and the weight written once each, as a plain copy
 # would (a whole-layer float32 scratch costs three times that traffic; on SDXL's layer shapes blocks are 1.5x faster).
-# Rows do not mix in a merge, so the blocks write the bits a whole-layer merge writes. A GPU merges whole layers.
+# Rows do not mix in a merge, so for plain LoRAs the blocks write the bits a whole-layer merge writes (other kinds'
+# products, formed per block, may round differently from a whole-layer product, the same way every time). A GPU
+# merges whole layers.
 CPU_SCRATCH_ELEMENTS = 1 << 19
 
 LayerKey = tuple[str, str]  # (component, module path)

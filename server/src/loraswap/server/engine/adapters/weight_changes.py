@@ -135,7 +135,7 @@ class Hadamard:
                                  _f32(self.w1a[:, start:stop], device))  # fmt: skip
             second = torch.einsum("i j ..., j r, i p -> p r ...", _f32(self.t2, device), _f32(self.w2b, device),
                                   _f32(self.w2a[:, start:stop], device))  # fmt: skip
-        return (first * second).reshape(stop - start, -1).mul_(self.scale)
+        return first.mul_(second).reshape(stop - start, -1).mul_(self.scale)
 
 
 @dataclass(frozen=True)
