@@ -587,11 +587,10 @@ class SwapBench:
 
     def floor_fuse(self, pair):
         """The least an exact fused swap can cost, measured like the others: for each layer the adapter touches,
-        one `copy_` of its pristine W0 into the live base weight (in the model's dtype: reading W0 and writing the
-        weight), plus the product B @ A of the layer's factors in float32 (`torch.mm(..., out=)` into one
-        preallocated float32 scratch, as the merge accumulates; the factors are cast to float32 beforehand,
-        untimed). What the merge adds to it: W0 into float32 and the sum back to the model's dtype, the factors'
-        casts, and the finiteness check. Returns (first, swap) for `interleaved`."""
+        one `torch.addmm(W0, B, A, out=weight)` in the model's dtype over the whole layer (reading W0, the product,
+        writing the weight: the CPU's product accumulates in float32 and rounds once). What the merge adds to it:
+        its row blocks, the finiteness check and its bookkeeping (and, for stacks at several strengths or other
+        kinds, the float32 block it accumulates in). Returns (first, swap) for `interleaved`."""
         import torch
 
         pristine = self.residency.fused_weights.pristine
@@ -599,18 +598,14 @@ class SwapBench:
         for path in pair:
             adapter = self.canonical.get(str(path)) or self._load_canonical(path)
             plans[path] = [
-                (pristine.layers[self.component, name].weight, pristine.weights[self.component, name],
-                 layer.b.float(), layer.a.float())
+                (pristine.layers[self.component, name].weight, pristine.weights[self.component, name], layer.b, layer.a)
                 for name, layer in sorted(adapter.layers.items())
             ]
-        largest = max(w0.numel() for plan in plans.values() for _, w0, _, _ in plan)
-        scratch = torch.zeros(largest, dtype=torch.float32)  # touched once: the merge's scratch is resident too
 
         @torch.no_grad()
         def swap(path):
             for weight, w0, b, a in plans[path]:
-                weight.copy_(w0)
-                torch.mm(b, a, out=scratch[: w0.numel()].view(w0.shape))
+                torch.addmm(w0, b, a, out=weight)
 
         return swap, swap
 

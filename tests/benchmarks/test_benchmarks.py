@@ -74,7 +74,8 @@ def test_swap_benchmark_prints_every_path_and_ratio(tmp_path):
     assert report["pristine_bytes"] > report["fused_weight_bytes"]
     profile = report["fuse_profile"]
     assert profile["swaps"] == 4 and profile["wall_ms_per_swap_profiled"] > 0
-    assert "aten::addmm_" in profile["self_cpu_ms_per_swap"]  # the merge's product ran under the profiler
+    # The merge's product ran under the profiler (one addmm into each weight, or into the float32 block).
+    assert {"aten::addmm", "aten::addmm_"} & set(profile["self_cpu_ms_per_swap"])
     assert all(op["ms"] > 0 and op["calls"] > 0 for op in profile["self_cpu_ms_per_swap"].values())
     mixed = report["mixed_rank"]
     assert mixed["ranks"] == [2, 4] and set(mixed["paths"]) == set(PATHS)

@@ -229,8 +229,9 @@ def test_no_pristine_copies_without_fusing() -> None:
 
 
 def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_layer_bits() -> None:
-    """Rows do not mix in a merge: a layer merged in row blocks (CPU_SCRATCH_ELEMENTS) holds the bits of W0 + B A
-    computed over the whole layer in float32 and rounded once, blocks of uneven size included."""
+    """Rows do not mix in a merge: a layer merged in row blocks (CPU_SCRATCH_ELEMENTS) holds the bits of one
+    addmm over the whole layer (the CPU's bfloat16 product accumulates in float32 and rounds once), blocks of
+    uneven size included; and that is W0 + s B A in float32 rounded once, to within one rounding."""
     from loraswap.server.engine.adapters.fused import CPU_SCRATCH_ELEMENTS, FusedWeights
 
     torch.manual_seed(0)
@@ -243,8 +244,10 @@ def test_a_layer_larger_than_the_cpu_block_merges_block_by_block_to_the_whole_la
     )
     fused = FusedWeights.over_layers("denoiser", {"big": layer})
     fused.merge(((adapter, 0.75),))
-    whole = torch.addmm(w0.float(), b.float() * 0.75, a.float()).to(torch.bfloat16)
-    assert torch.equal(layer.weight, whole)
+    assert torch.equal(layer.weight, torch.addmm(w0, b, a, alpha=0.75))
+    in_float32 = torch.addmm(w0.float(), b.float(), a.float(), alpha=0.75)
+    ulp = torch.finfo(torch.bfloat16).eps * in_float32.abs()
+    assert bool(((layer.weight.float() - in_float32).abs() <= ulp).all())
     fused.merge(())
     assert torch.equal(layer.weight, w0)
 

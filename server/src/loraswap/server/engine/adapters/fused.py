@@ -8,7 +8,9 @@ Exact by construction, whatever ran before:
 - every merge starts from the layer's pristine W0, a copy kept apart (`PristineWeights`: the slot layers' at
   start-up, any other layer's before the first merge that touches it), never from a fused state and never by
   subtracting a previous merge (diffusers' fuse/unfuse drifts in low precision with every round trip);
-- the sum is accumulated in float32 and rounded once to the model's dtype;
+- the sum is accumulated in float32 and rounded once to the model's dtype: in a float32 block of rows, or, on the
+  CPU for a layer that only plain LoRAs at one alpha change, by one torch.addmm into the weight itself
+  (bfloat16 and float32 products accumulate in float32 and round once into their output);
 - changing adapters restores, from the pristine copy, only the layers the previous merge touched and the
   new one does not.
 So the same stack at the same strengths always writes the same bits.
@@ -41,6 +43,7 @@ import torch
 
 from loraswap.server.engine.adapters.canonical import StackMember
 from loraswap.server.engine.adapters.model_layers import ModelLayers
+from loraswap.server.engine.adapters.weight_changes import LowRank
 from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason, InvalidRequestError
 
 # On the CPU a layer is merged a block of rows at a time, in a float32 scratch of this many elements (2 MiB) that
@@ -52,6 +55,8 @@ from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason, Inv
 CPU_SCRATCH_ELEMENTS = 1 << 19
 
 LayerKey = tuple[str, str]  # (component, module path)
+# Weight dtypes whose CPU products (torch.addmm) accumulate in float32 and round once into the output.
+ONE_PRODUCT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _bytes_of(module: torch.nn.Module) -> int:
@@ -229,6 +234,10 @@ class FusedWeights:
         finite, as a device tensor (read once for all layers)."""
         layer = self.pristine.layers[key]
         w0 = self.pristine.weights[key]
+        one_product = self._one_product(key, members, w0)
+        if one_product is not None:
+            b, a, alpha = one_product
+            return self._merge_bias(key, layer, [], self._merge_one_product(layer.weight, w0, b, a, alpha))
         plain_b, plain_a, dora, biases, changes = [], [], [], [], []
         for adapter, scale in members:
             factors = adapter.layers.get(key[1]) if key[0] == self.slot_component else None
@@ -268,6 +277,56 @@ class FusedWeights:
             change.add_to(merged, w0, scale)
         layer.weight.copy_(merged)
         return self._merge_bias(key, layer, biases, _all_finite(layer.weight))
+
+    def _one_product(
+        self, key: LayerKey, members: tuple[StackMember, ...], w0: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(B, A, alpha) when the layer's whole merge is W0 + alpha * B A in the weight's own dtype on the CPU: only
+        plain LoRAs change it (the slot's factors, or LoRA / LoCon changes without a core, DoRA or bias), each at
+        the same alpha (strength, times alpha / rank for a change), their factors of the weight's dtype (bfloat16
+        or float32). None otherwise."""
+        if self._device.type != "cpu" or w0.dtype not in ONE_PRODUCT_DTYPES:
+            return None
+        factors = []  # (B, A, alpha)
+        for adapter, scale in members:
+            layer = adapter.layers.get(key[1]) if key[0] == self.slot_component else None
+            if layer is not None:
+                if layer.magnitude is not None or layer.bias is not None:
+                    return None
+                factors.append((layer.b, layer.a, scale))
+            change = adapter.changes.get(key)
+            if change is not None:
+                low_rank = change.change
+                plain = isinstance(low_rank, LowRank) and low_rank.mid is None
+                if not plain or change.bias is not None or change.dora_scale is not None:
+                    return None
+                rows = low_rank.up.shape[0]
+                factors.append((low_rank.up.reshape(rows, -1), low_rank.down.reshape(low_rank.rank, -1),
+                                scale * low_rank.scale))  # fmt: skip
+        if not factors or len({alpha for _, _, alpha in factors}) > 1:
+            return None
+        if any(b.dtype != w0.dtype or a.dtype != w0.dtype for b, a, _ in factors):
+            return None
+        if len(factors) == 1:
+            return factors[0]
+        b = torch.cat([b for b, _, _ in factors], dim=1)
+        return b, torch.cat([a for _, a, _ in factors], dim=0), factors[0][2]
+
+    def _merge_one_product(
+        self, weight: torch.Tensor, w0: torch.Tensor, b: torch.Tensor, a: torch.Tensor, strength: float
+    ) -> torch.Tensor:
+        """weight = W0 + strength * B A as one torch.addmm into the weight, a block of rows at a time (the block's
+        finiteness summed while it is in cache): the CPU's bfloat16 and float32 products accumulate in float32 and
+        round once into the output, so this is the exact merge with no float32 scratch, what floor_fuse times."""
+        weight, w0 = weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1)  # a conv's window flattened
+        block_rows = max(1, CPU_SCRATCH_ELEMENTS // w0.shape[1])
+        finite = []
+        for start in range(0, w0.shape[0], block_rows):
+            stop = min(w0.shape[0], start + block_rows)
+            written = weight[start:stop]
+            torch.addmm(w0[start:stop], b[start:stop], a, alpha=strength, out=written)
+            finite.append(_all_finite(written))
+        return torch.stack(finite).all()
 
     def _merge_rows(
         self, weight: torch.Tensor, w0: torch.Tensor, plain_b: list[torch.Tensor], plain_a: list[torch.Tensor],
