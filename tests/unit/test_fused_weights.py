@@ -296,3 +296,19 @@ def test_every_kind_merged_in_row_blocks_equals_its_whole_layer_merge(kind: str)
     torch.testing.assert_close(layer.weight, whole, rtol=1e-5, atol=1e-6)
     fused.merge(())
     assert torch.equal(layer.weight, w0)
+
+
+def test_a_bfloat16_merge_that_could_overflow_is_checked_and_refused() -> None:
+    """One addmm merges a bfloat16 layer with no finiteness pass only while the factors' bound says nothing can
+    overflow; factors past it are checked block by block, and an overflowing merge is refused as before."""
+    from loraswap.server.engine.adapters.fused import FusedWeights
+
+    layer = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    w0 = layer.weight.detach().clone()
+    huge = CanonicalAdapter(name="huge", source="test", warnings=(), load_ms=0.0, layers={"big": CanonicalLayer(
+        a=torch.full((4, 64), 1e30, dtype=torch.bfloat16), b=torch.full((48, 4), 1e30, dtype=torch.bfloat16))})  # fmt: skip
+    fused = FusedWeights.over_layers("denoiser", {"big": layer})
+    with pytest.raises(InvalidRequestError) as refused:
+        fused.merge(((huge, 1.0),))
+    assert refused.value.reason == "ADAPTER_OUT_OF_RANGE"
+    assert torch.equal(layer.weight, w0)

@@ -78,6 +78,7 @@ class PristineWeights:
         self.layers: dict[LayerKey, torch.nn.Module] = {}
         self.weights: dict[LayerKey, torch.Tensor] = {}
         self.biases: dict[LayerKey, torch.Tensor] = {}
+        self._largest: dict[LayerKey, float] = {}  # max |W0| of each layer, taken when first asked
         for key in keep:
             self._copy(key)
 
@@ -114,6 +115,12 @@ class PristineWeights:
             )
         for key in missing:
             self._copy(key)
+
+    def largest(self, key: LayerKey) -> float:
+        """max |W0| of a layer (computed once)."""
+        if key not in self._largest:
+            self._largest[key] = float(self.weights[key].abs().amax())
+        return self._largest[key]
 
     @property
     def nbytes(self) -> int:
@@ -237,7 +244,12 @@ class FusedWeights:
         one_product = self._one_product(key, members, w0)
         if one_product is not None:
             b, a, alpha = one_product
-            return self._merge_bias(key, layer, [], self._merge_one_product(layer.weight, w0, b, a, alpha))
+            # |W0 + alpha B A| <= max|W0| + |alpha| rank max|B| max|A|: below the dtype's largest value, every
+            # partial sum and the result are finite, and the merge needs no finiteness pass over the weight.
+            bound = self.pristine.largest(key) + abs(alpha) * a.shape[0] * float(b.abs().amax()) * float(a.abs().amax())
+            checked = not bound < torch.finfo(w0.dtype).max
+            finite = self._merge_one_product(layer.weight, w0, b, a, alpha, checked)
+            return self._merge_bias(key, layer, [], finite)
         plain_b, plain_a, dora, biases, changes = [], [], [], [], []
         for adapter, scale in members:
             factors = adapter.layers.get(key[1]) if key[0] == self.slot_component else None
@@ -313,18 +325,22 @@ class FusedWeights:
         return b, torch.cat([a for _, a, _ in factors], dim=0), factors[0][2]
 
     def _merge_one_product(
-        self, weight: torch.Tensor, w0: torch.Tensor, b: torch.Tensor, a: torch.Tensor, strength: float
+        self, weight: torch.Tensor, w0: torch.Tensor, b: torch.Tensor, a: torch.Tensor, alpha: float, checked: bool
     ) -> torch.Tensor:
-        """weight = W0 + strength * B A as one torch.addmm into the weight, a block of rows at a time (the block's
-        finiteness summed while it is in cache): the CPU's bfloat16 and float32 products accumulate in float32 and
-        round once into the output, so this is the exact merge with no float32 scratch, what floor_fuse times."""
+        """weight = W0 + alpha * B A as one torch.addmm into the weight: the CPU's bfloat16 and float32 products
+        accumulate in float32 and round once into the output, so this is the exact merge with no float32 scratch,
+        what floor_fuse times. `checked`: the result may overflow, so it is merged a block of rows at a time, each
+        block's finiteness summed while it is in cache."""
         weight, w0 = weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1)  # a conv's window flattened
+        if not checked:
+            torch.addmm(w0, b, a, alpha=alpha, out=weight)
+            return torch.ones((), dtype=torch.bool)
         block_rows = max(1, CPU_SCRATCH_ELEMENTS // w0.shape[1])
         finite = []
         for start in range(0, w0.shape[0], block_rows):
             stop = min(w0.shape[0], start + block_rows)
             written = weight[start:stop]
-            torch.addmm(w0[start:stop], b[start:stop], a, alpha=strength, out=written)
+            torch.addmm(w0[start:stop], b[start:stop], a, alpha=alpha, out=written)
             finite.append(_all_finite(written))
         return torch.stack(finite).all()
 
