@@ -106,3 +106,18 @@ def test_a_dora_normalised_per_column_on_a_stacked_layer_is_refused_by_kind(runt
         _load(runtime, path)
     assert refused.value.reason.name == "ADAPTER_KIND_UNSUPPORTED"
     assert "lora_unet_double_blocks_0_img_attn_qkv" in str(refused.value)
+
+
+def test_lycoris_kinds_in_a_layout_only_diffusers_reads_are_refused_naming_the_layouts_read(runtime, tmp_path):
+    """A ComfyUI-prefixed (`diffusion_model.`) LoKr: diffusers' converters read plain LoRAs there only, and the
+    refusal says in which names this server reads LyCORIS kinds."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "comfy-lokr.safetensors"
+    layer = "diffusion_model.double_blocks.0.img_attn.proj"
+    save_file({f"{layer}.lokr_w1": torch.randn(4, 4), f"{layer}.lokr_w2": torch.randn(8, 8),
+               f"{layer}.alpha": torch.tensor(4.0)}, str(path))  # fmt: skip
+    with pytest.raises(AdapterFormatError) as refused:
+        _load(runtime, path)
+    assert refused.value.reason.name == "ADAPTER_MALFORMED"
+    assert "lora_unet_" in str(refused.value) and "diffusion_model." in str(refused.value)

@@ -530,16 +530,23 @@ def _read_diffusers_layout(raw: dict[str, torch.Tensor], metadata: dict | None, 
     return read
 
 
+# What diffusers' converters end in for a file whose layout they do not read.
+LAYOUT_REASONS = frozenset({ErrorReason.ADAPTER_MALFORMED, ErrorReason.ADAPTER_NO_DENOISER_LAYERS,
+                            ErrorReason.ADAPTER_UNSUPPORTED_TENSORS})  # fmt: skip
+
+
 def _read_other_layout(raw: dict[str, torch.Tensor], metadata: dict | None, spec: SlotSpec) -> _ReadAdapter:
     """_read_diffusers_layout, saying so when the file's LyCORIS kinds are in a layout only diffusers could read."""
     try:
         return _read_diffusers_layout(raw, metadata, spec)
     except AdapterFormatError as error:
-        if holds_lycoris_kinds(raw) and error.reason == ErrorReason.ADAPTER_MALFORMED:
+        if holds_lycoris_kinds(raw) and error.reason in LAYOUT_REASONS:
             raise AdapterFormatError(
-                f"{error.message}. The file holds LyCORIS kinds (LoHa, LoKr, full, Tucker or DoRA tensors), which "
-                f"this server reads in kohya-style names with the prefixes "
-                f"{', '.join(prefix + '_' for prefix in sorted(FAMILIES[spec.family].kohya_prefixes))} only",
+                f"{error.message}. The file holds LyCORIS kinds (LoHa, LoKr, full, Tucker or DoRA tensors) in a "
+                f"layout this server does not read them in: it reads them in kohya-style names "
+                f"(`<prefix>_<module path with '_' for '.'>.<tensor>`) with the prefixes "
+                f"{', '.join(prefix + '_' for prefix in sorted(FAMILIES[spec.family].kohya_prefixes))}; a ComfyUI "
+                "file's `diffusion_model.` names are `lora_unet_` ones with '_' for '.'",
                 reason=ErrorReason.ADAPTER_MALFORMED,
             ) from error
         raise

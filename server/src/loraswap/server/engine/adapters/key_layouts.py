@@ -99,10 +99,18 @@ def kohya_style_keys(state_dict: Mapping[str, torch.Tensor], prefixes: Mapping[s
     }
 
 
+# The tensor names only kinds beyond plain LoRA have (LoHa, LoKr, full, DoRA, a Tucker core), and those of the kinds
+# this server refuses: what tells a LyCORIS file in any layout.
+_LYCORIS_ONLY_TENSORS = tuple(
+    "." + name for name in sorted((LAYER_TENSORS | UNSUPPORTED_KIND_TENSORS.keys())
+                                  - {"lora_up.weight", "lora_down.weight", "alpha", "weight"})
+)  # fmt: skip
+
+
 def holds_lycoris_kinds(state_dict: Mapping[str, torch.Tensor]) -> bool:
-    """Whether any layer holds tensors of a kind beyond plain LoRA (LoHa, LoKr, full, DoRA, a Tucker core, ...)."""
-    plain = {"lora_up.weight", "lora_down.weight", "alpha"}
-    return any((split := _split_key(key)) is not None and split[1] not in plain for key in state_dict)
+    """Whether any key, in any layout, names a tensor only kinds beyond plain LoRA have (`….hada_w1_a`,
+    `….lokr_w1`, `….dora_scale`, `….diff`, …)."""
+    return any(key.endswith(_LYCORIS_ONLY_TENSORS) for key in state_dict)
 
 
 def refuse_unsupported_kinds(state_dict: Mapping[str, torch.Tensor]) -> None:
