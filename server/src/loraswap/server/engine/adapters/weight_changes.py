@@ -81,8 +81,8 @@ class LowRank:
 
     row_period = 1
 
-    def dense_rows(self, device: torch.device, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of ΔW, flattened to (rows, in * k)."""
+    def dense_rows(self, device: torch.device, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rows [start, stop) of ΔW, flattened to (rows, in * k) (`shape`, the layer's weight: see dense)."""
         up = _f32(self.up[start:stop], device).reshape(stop - start, -1) * self.scale
         if self.mid is None:
             return up @ _f32(self.down, device).reshape(self.rank, -1)
@@ -125,7 +125,7 @@ class Hadamard:
 
     row_period = 1
 
-    def dense_rows(self, device: torch.device, start: int, stop: int) -> torch.Tensor:
+    def dense_rows(self, device: torch.device, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Rows [start, stop) of ΔW, flattened to (rows, in * k): the a factors' rows, the b factors whole."""
         if self.t1 is None:
             first = _f32(self.w1a[start:stop], device) @ _f32(self.w1b, device).reshape(self.rank, -1)
@@ -219,7 +219,7 @@ class Full:
 
     row_period = 1
 
-    def dense_rows(self, device: torch.device, start: int, stop: int) -> torch.Tensor:
+    def dense_rows(self, device: torch.device, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
         return _f32(self.diff[start:stop], device).reshape(stop - start, -1)
 
 
@@ -359,19 +359,18 @@ class LayerChange:
         if self.change is None:
             return
         start, stop = rows
-        if isinstance(self.change, Kronecker):
-            delta = self.change.dense_rows(block.device, start, stop, shape)
-        else:
-            delta = self.change.dense_rows(block.device, start, stop)
+        delta = self.change.dense_rows(block.device, start, stop, shape)
         if self.dora_scale is None:
             block.add_(delta, alpha=strength)
             return
         weight = delta.add_(w0_rows)
         magnitude = _f32(self.dora_scale[start:stop], block.device).reshape(stop - start, 1)
-        factor = magnitude / (weight.norm(dim=1, keepdim=True) + self.dora_eps)
-        if strength != 1:
-            factor = strength * (factor - 1) + 1
-        block.add_(weight.mul_(factor)).sub_(w0_rows)
+        block.add_(weight.mul_(self._dora_factor(magnitude, weight.norm(dim=1, keepdim=True), strength))).sub_(w0_rows)
+
+    def _dora_factor(self, magnitude: torch.Tensor, norm: torch.Tensor, strength: float) -> torch.Tensor:
+        """What W = W0 + ΔW is multiplied by at `strength`: s · (m / (‖W‖ + ε) − 1) + 1."""
+        factor = magnitude / (norm + self.dora_eps)
+        return factor if strength == 1 else strength * (factor - 1) + 1
 
     def add_to(self, merged: torch.Tensor, w0: torch.Tensor, strength: float) -> None:
         """merged (float32, the weight's shape) += this layer's change at `strength`; w0 is the pristine weight."""
@@ -389,10 +388,7 @@ class LayerChange:
         else:
             norm = weight.transpose(0, 1).reshape(weight.shape[1], -1).norm(dim=1)
             norm = norm.reshape(weight.shape[1], *[1] * (weight.dim() - 1)).transpose(0, 1)
-        factor = magnitude.reshape(norm.shape) / (norm + self.dora_eps)
-        if strength != 1:
-            factor = strength * (factor - 1) + 1
-        merged.add_(weight.mul_(factor)).sub_(w0)
+        merged.add_(weight.mul_(self._dora_factor(magnitude.reshape(norm.shape), norm, strength))).sub_(w0)
 
 
 def dora_eps(stored: torch.Tensor) -> float:
