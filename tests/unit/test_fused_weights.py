@@ -312,3 +312,85 @@ def test_a_bfloat16_merge_that_could_overflow_is_checked_and_refused() -> None:
         fused.merge(((huge, 1.0),))
     assert refused.value.reason == "ADAPTER_OUT_OF_RANGE"
     assert torch.equal(layer.weight, w0)
+
+
+def _own_dtype_changes(dtype: torch.dtype, generator: torch.Generator) -> dict[str, tuple[object, tuple[int, ...]]]:
+    """name -> (LayerChange, the layer's weight shape): LoHa and LoKr on a linear layer of several LoHa blocks
+    and on a 3x3 conv, in `dtype`."""
+    from loraswap.server.engine.adapters.weight_changes import Hadamard, Kronecker, LayerChange
+
+    def draw(*shape):
+        return (torch.randn(*shape, generator=generator) * 0.15).to(dtype)
+
+    linear, conv = (2100, 2000), (48, 40, 3, 3)
+    return {
+        "loha": (LayerChange(Hadamard(draw(2100, 4), draw(4, 2000), draw(2100, 4), draw(4, 2000), None, None, 2.0),
+                             bias=draw(2100)), linear),
+        "lokr": (LayerChange(Kronecker(draw(100, 8), None, None, None, draw(21, 4), draw(4, 250), None, 1.5)), linear),
+        "lokr-whole-w1-decomposed": (LayerChange(Kronecker(None, draw(100, 2), draw(2, 8), draw(21, 250), None, None,
+                                                           None, 0.5)), linear),
+        "loha-conv": (LayerChange(Hadamard(draw(48, 4), draw(4, 360), draw(48, 4), draw(4, 360), None, None, 1.0)),
+                      conv),
+        "lokr-conv": (LayerChange(Kronecker(draw(4, 4), None, None, None, draw(12, 3), draw(3, 90), None, 1.0)), conv),
+        "lokr-conv-tucker": (LayerChange(Kronecker(draw(4, 4), None, None, None, draw(3, 12), draw(3, 10),
+                                                   draw(3, 3, 3, 3), 1.0)), conv),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "kind", ["loha", "lokr", "lokr-whole-w1-decomposed", "loha-conv", "lokr-conv", "lokr-conv-tucker"]
+)
+def test_one_loha_or_lokr_alone_is_written_in_the_weights_dtype_to_within_a_rounding_of_its_float32_merge(
+    kind: str, dtype: torch.dtype
+) -> None:
+    """A layer one LoHa or LoKr alone changes is written straight into the weight in its own dtype
+    (own_dtype_merges.py): within one rounding of the weight, plus the products' own rounding to the factors'
+    dtype, of the float32 reference (add_to, the LyCORIS arithmetic); the same bits on every merge; W0 after."""
+    from loraswap.server.engine.adapters.fused import FusedWeights
+
+    generator = torch.Generator().manual_seed(2)
+    change, shape = _own_dtype_changes(dtype, generator)[kind]
+    layer = (torch.nn.Linear(shape[1], shape[0]) if len(shape) == 2 else torch.nn.Conv2d(shape[1], shape[0], 3)).to(dtype)
+    w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
+    adapter = CanonicalAdapter(name=kind, source="test", warnings=(), load_ms=0.0, layers={}, fits_slot=False,
+                               changes={("denoiser", "layer"): change})  # fmt: skip
+    fused = FusedWeights.over_layers("denoiser", {"layer": layer})
+    fused.merge(((adapter, 0.8),))
+    first = layer.weight.detach().clone()
+    with torch.no_grad():
+        reference = w0.float().clone()  # float() is w0 itself for a float32 layer
+        delta = change.dense_delta(torch.device("cpu"), shape) * 0.8
+        change.add_to(reference, w0.float(), 0.8)
+    eps = torch.finfo(dtype).eps
+    # One rounding of the weight (eps |W|), the two products' (LoHa) or one side's (LoKr) roundings (2 eps |ΔW|).
+    assert bool(((first.float() - reference).abs() <= eps * reference.abs() + 2 * eps * delta.abs() + 1e-30).all())
+    assert (first != w0).float().mean() > 0.5  # the change reached the weight
+    if change.bias is not None:
+        assert torch.equal(layer.bias, (b0.float() + change.bias.float() * 0.8).to(dtype))
+    fused.merge(())
+    assert torch.equal(layer.weight, w0) and torch.equal(layer.bias, b0)
+    fused.merge(((adapter, 0.8),))
+    assert torch.equal(layer.weight, first)
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_a_loha_or_lokr_written_in_its_own_dtype_that_overflows_is_refused(kind: str) -> None:
+    """Factors whose bound passes bfloat16's range are checked, and an overflowing merge is refused as before."""
+    from loraswap.server.engine.adapters.fused import FusedWeights
+    from loraswap.server.engine.adapters.weight_changes import Hadamard, Kronecker, LayerChange
+
+    huge = torch.full((64, 4), 1e19, dtype=torch.bfloat16)
+    change = (LayerChange(Hadamard(huge, huge.T.contiguous(), huge, huge.T.contiguous(), None, None, 1.0))
+              if kind == "loha" else LayerChange(Kronecker(torch.full((8, 8), 1e30, dtype=torch.bfloat16), None, None,
+                                                           torch.full((8, 8), 1e30, dtype=torch.bfloat16), None, None,
+                                                           None, 1.0)))  # fmt: skip
+    layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    w0 = layer.weight.detach().clone()
+    adapter = CanonicalAdapter(name=kind, source="test", warnings=(), load_ms=0.0, layers={}, fits_slot=False,
+                               changes={("denoiser", "layer"): change})  # fmt: skip
+    fused = FusedWeights.over_layers("denoiser", {"layer": layer})
+    with pytest.raises(InvalidRequestError) as refused:
+        fused.merge(((adapter, 1.0),))
+    assert refused.value.reason == "ADAPTER_OUT_OF_RANGE"
+    assert torch.equal(layer.weight, w0)

@@ -9,8 +9,9 @@ Exact by construction, whatever ran before:
   start-up, any other layer's before the first merge that touches it), never from a fused state and never by
   subtracting a previous merge (diffusers' fuse/unfuse drifts in low precision with every round trip);
 - the sum is accumulated in float32 and rounded once to the model's dtype: in a float32 block of rows, or, on the
-  CPU for a layer that only plain LoRAs at one alpha change, by one torch.addmm into the weight itself
-  (bfloat16 and float32 products accumulate in float32 and round once into their output);
+  CPU for a layer that only plain LoRAs at one alpha change, or one LoHa or LoKr alone, straight into the weight
+  in its own dtype (own_dtype_merges.py: bfloat16 and float32 products and pointwise kernels compute in float32
+  and round once into their output; LoHa's and LoKr's products in the factors' dtype, as their reference forms them);
 - changing adapters restores, from the pristine copy, only the layers the previous merge touched and the
   new one does not.
 So the same stack at the same strengths always writes the same bits.
@@ -43,7 +44,15 @@ import torch
 
 from loraswap.server.engine.adapters.canonical import StackMember
 from loraswap.server.engine.adapters.model_layers import ModelLayers
-from loraswap.server.engine.adapters.weight_changes import LowRank
+from loraswap.server.engine.adapters.own_dtype_merges import (
+    LOHA_BLOCK_ELEMENTS,
+    OWN_DTYPES,
+    all_finite,
+    own_dtype_change,
+    write_change,
+    write_lora,
+)
+from loraswap.server.engine.adapters.weight_changes import LayerChange, LowRank
 from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason, InvalidRequestError
 
 # On the CPU a layer is merged a block of rows at a time, in a float32 scratch of this many elements (2 MiB) that
@@ -55,8 +64,6 @@ from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason, Inv
 CPU_SCRATCH_ELEMENTS = 1 << 19
 
 LayerKey = tuple[str, str]  # (component, module path)
-# Weight dtypes whose CPU products (torch.addmm) accumulate in float32 and round once into the output.
-ONE_PRODUCT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _bytes_of(module: torch.nn.Module) -> int:
@@ -151,6 +158,7 @@ class FusedWeights:
         # allocation per layer and swap.
         self._sum = torch.empty(0, dtype=torch.float32, device=self._device)
         self._dora = None  # made on the first DoRA merge
+        self._products = None  # own_dtype_merges' scratch, made on the first merge that needs it
         self._whole(max((pristine.weights[key].numel() for key in self._slot_keys), default=0))
 
     @classmethod
@@ -244,12 +252,13 @@ class FusedWeights:
         one_product = self._one_product(key, members, w0)
         if one_product is not None:
             b, a, alpha = one_product
-            # |W0 + alpha B A| <= max|W0| + |alpha| rank max|B| max|A|: below the dtype's largest value, every
-            # partial sum and the result are finite, and the merge needs no finiteness pass over the weight.
-            bound = self.pristine.largest(key) + abs(alpha) * a.shape[0] * float(b.abs().amax()) * float(a.abs().amax())
-            checked = not bound < torch.finfo(w0.dtype).max
-            finite = self._merge_one_product(layer.weight, w0, b, a, alpha, checked)
+            finite = write_lora(layer.weight, w0, b, a, alpha, self.pristine.largest(key))
             return self._merge_bias(key, layer, [], finite)
+        own = self._own_dtype_change(key, members, w0)
+        if own is not None:
+            change, strength = own
+            finite = write_change(layer.weight, w0, change, strength, self.pristine.largest(key), self._own_scratch(w0))
+            return self._merge_bias(key, layer, [(change.bias, strength)] if change.bias is not None else [], finite)
         plain_b, plain_a, dora, biases, changes = [], [], [], [], []
         for adapter, scale in members:
             factors = adapter.layers.get(key[1]) if key[0] == self.slot_component else None
@@ -288,7 +297,7 @@ class FusedWeights:
         for change, scale in changes:
             change.add_to(merged, w0, scale)
         layer.weight.copy_(merged)
-        return self._merge_bias(key, layer, biases, _all_finite(layer.weight))
+        return self._merge_bias(key, layer, biases, all_finite(layer.weight))
 
     def _one_product(
         self, key: LayerKey, members: tuple[StackMember, ...], w0: torch.Tensor
@@ -297,7 +306,7 @@ class FusedWeights:
         plain LoRAs change it (the slot's factors, or LoRA / LoCon changes without a core, DoRA or bias), each at
         the same alpha (strength, times alpha / rank for a change), their factors of the weight's dtype (bfloat16
         or float32). None otherwise."""
-        if self._device.type != "cpu" or w0.dtype not in ONE_PRODUCT_DTYPES:
+        if self._device.type != "cpu" or w0.dtype not in OWN_DTYPES:
             return None
         factors = []  # (B, A, alpha)
         for adapter, scale in members:
@@ -324,25 +333,29 @@ class FusedWeights:
         b = torch.cat([b for b, _, _ in factors], dim=1)
         return b, torch.cat([a for _, a, _ in factors], dim=0), factors[0][2]
 
-    def _merge_one_product(
-        self, weight: torch.Tensor, w0: torch.Tensor, b: torch.Tensor, a: torch.Tensor, alpha: float, checked: bool
-    ) -> torch.Tensor:
-        """weight = W0 + alpha * B A as one torch.addmm into the weight: the CPU's bfloat16 and float32 products
-        accumulate in float32 and round once into the output, so this is the exact merge with no float32 scratch,
-        what floor_fuse times. `checked`: the result may overflow, so it is merged a block of rows at a time, each
-        block's finiteness summed while it is in cache."""
-        weight, w0 = weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1)  # a conv's window flattened
-        if not checked:
-            torch.addmm(w0, b, a, alpha=alpha, out=weight)
-            return torch.ones((), dtype=torch.bool)
-        block_rows = max(1, CPU_SCRATCH_ELEMENTS // w0.shape[1])
-        finite = []
-        for start in range(0, w0.shape[0], block_rows):
-            stop = min(w0.shape[0], start + block_rows)
-            written = weight[start:stop]
-            torch.addmm(w0[start:stop], b[start:stop], a, alpha=alpha, out=written)
-            finite.append(_all_finite(written))
-        return torch.stack(finite).all()
+    def _own_dtype_change(
+        self, key: LayerKey, members: tuple[StackMember, ...], w0: torch.Tensor
+    ) -> tuple[LayerChange, float] | None:
+        """(change, strength) when one member's change alone alters the layer, on the CPU, and own_dtype_merges
+        writes it (a LoHa without cores or a LoKr, in the weight's dtype); None otherwise."""
+        if self._device.type != "cpu":
+            return None
+        found = []
+        for adapter, scale in members:
+            if key[0] == self.slot_component and key[1] in adapter.layers:
+                return None
+            change = adapter.changes.get(key)
+            if change is not None:
+                found.append((change, scale))
+        if len(found) != 1 or found[0][0].change is None or not own_dtype_change(found[0][0], w0.dtype):
+            return None
+        return found[0]
+
+    def _own_scratch(self, w0: torch.Tensor) -> torch.Tensor:
+        """Two LOHA_BLOCK_ELEMENTS blocks of the weight's dtype, made on first use."""
+        if self._products is None or self._products.dtype != w0.dtype:
+            self._products = torch.empty(2 * LOHA_BLOCK_ELEMENTS, dtype=w0.dtype, device=self._device)
+        return self._products
 
     def _merge_rows(
         self, weight: torch.Tensor, w0: torch.Tensor, plain_b: list[torch.Tensor], plain_a: list[torch.Tensor],
@@ -372,7 +385,7 @@ class FusedWeights:
                 change.add_rows(block, w0_rows, scale, (start, stop), tuple(weight.shape))
             written = rows_of_weight[start:stop]
             written.copy_(block)
-            finite.append(_all_finite(written))  # the block is still in cache
+            finite.append(all_finite(written))  # the block is still in cache
         return torch.stack(finite).all()
 
     def _merge_bias(self, key: LayerKey, layer: torch.nn.Module, biases: list, finite: torch.Tensor) -> torch.Tensor:
@@ -390,7 +403,7 @@ class FusedWeights:
             bias = bias + self._factor(vector).reshape(-1) * scale
         layer.bias.copy_(bias)
         self._biased.add(key)
-        return finite & _all_finite(layer.bias)
+        return finite & all_finite(layer.bias)
 
 
 def _layers_of(members: Iterable[StackMember], components: frozenset[str], slot_component: str) -> set[LayerKey]:
@@ -401,13 +414,6 @@ def _layers_of(members: Iterable[StackMember], components: frozenset[str], slot_
             keys.update((slot_component, module) for module in adapter.layers)
         keys.update(key for key in adapter.changes if key[0] in components)
     return keys
-
-
-def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """Whether every value is finite, as a device tensor: its float32 sum is (an inf or a NaN makes any sum inf or
-    NaN), at a tenth of torch.isfinite's cost on the CPU. Finite values whose sum overflows float32 (a weight
-    near 1e38) count as not finite: a merge that makes them is refused too."""
-    return torch.isfinite(tensor.sum(dtype=torch.float32))
 
 
 def _overflow_error(key: LayerKey, members: tuple[StackMember, ...]) -> InvalidRequestError:
