@@ -126,14 +126,15 @@ def test_the_request_is_thread_sensitive() -> None:
         )
 
 
-def test_fuse_auto_keeps_each_requests_choice_so_its_bits_stay() -> None:
-    """Fused and unfused images differ in their last bits: under auto a request keeps its first choice, whatever is
-    resident or queued later."""
+def test_fuse_auto_decides_from_the_request_alone_so_its_bits_stay() -> None:
+    """Fused and unfused images differ in their last bits: auto's choice for a request is the same whatever is
+    resident, and the same on a second runtime started with the same flags."""
     from loraswap.server.engine.adapters.canonical import load_canonical
     from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
 
-    runtime = start_runtime(EngineConfig(model="shapes", compile="none", torch_threads=TEST_TORCH_THREADS))
-    assert runtime.config.fuse == "auto" and runtime.fuse_costs is not None
+    config = EngineConfig(model="shapes", compile="none", torch_threads=TEST_TORCH_THREADS)
+    runtime = start_runtime(config)
+    assert runtime.config.fuse == "auto" and runtime.installed.lora_work is not None
     outline = load_canonical(LocalAdapterDirectory(shapes_adapter_dir()).find("outline"), runtime.slot_spec())
     stack = ((outline, 1.0),)
     # One step: where fused and unfused bits differ in float32 (at four they round to the same pixels).
@@ -145,7 +146,10 @@ def test_fuse_auto_keeps_each_requests_choice_so_its_bits_stay() -> None:
     chosen = runtime.fuse_choice(stack, params)
     first = image(chosen)
     assert image(not chosen) != first  # the other way really gives other bits
-    # Now resident the other way, and with a long queue behind it: the request is still served as the first time.
-    assert runtime.fuse_choice(stack, params, steps_after=10_000) is chosen
+    # Now resident the other way: the request is still served as the first time.
+    assert runtime.fuse_choice(stack, params) is chosen
     assert runtime.needs_swap(stack, chosen)
     assert image(chosen) == first
+    again = start_runtime(config)
+    assert again.installed.lora_work == runtime.installed.lora_work
+    assert again.fuse_choice(stack, params) is chosen

@@ -169,9 +169,10 @@ def test_a_merge_that_overflows_is_refused_and_leaves_the_pristine_weights() -> 
     assert holds_pristine(fused) and fused.touched == frozenset()
 
 
-def test_under_auto_a_stack_whose_merge_overflows_runs_unfused_and_keeps_that_choice() -> None:
+def test_under_auto_a_stack_whose_merge_overflows_runs_unfused_every_time() -> None:
     """auto fuses only as the cheaper way: where the merge cannot be held but the slot can hold the adapter, the
-    request runs unfused, as under never (here its output overflows too: the unfused refusal, GENERATION_NOT_FINITE)."""
+    request runs unfused, as under never (here its output overflows too: the unfused refusal, GENERATION_NOT_FINITE),
+    and again the next time: whether a merge overflows is the stack's own property."""
     from loraswap.server.engine.types import GenerationRequest
 
     runtime = _float16_runtime("auto")
@@ -184,8 +185,11 @@ def test_under_auto_a_stack_whose_merge_overflows_runs_unfused_and_keeps_that_ch
                          on_swap=lambda ms, fused: swaps.append(fused))  # fmt: skip
     assert refused.value.reason == "GENERATION_NOT_FINITE", refused.value
     assert swaps == [False] and not runtime.residency.fused and holds_pristine(runtime.residency.fused_weights)
-    assert runtime.fuse_choice(stack, params) is False  # the request keeps the unfused way
-    assert runtime.needs_swap(stack, False) is False  # and finds it resident
+    with pytest.raises(InvalidRequestError) as again:
+        runtime.generate(params, stack, on_step=lambda progress: None, is_cancelled=lambda: False, fused=True,
+                         on_swap=lambda ms, fused: swaps.append(fused))  # fmt: skip
+    assert again.value.reason == "GENERATION_NOT_FINITE"
+    assert swaps == [False, False] and holds_pristine(runtime.residency.fused_weights)
 
 
 def test_the_slot_serves_fused_and_unfused_in_any_order_with_the_same_bits(runtime, adapters) -> None:

@@ -88,7 +88,7 @@ def test_set_fields_pass_through():
         )
     )  # fmt: skip
     assert dataclasses.astuple(params) == (
-        "a boat", "fog", (("style", -2.0),), 7, 0.0, 128, 8, 2**64 - 1, ImageFormat.WEBP, 0
+        "a boat", "fog", (("style", -2.0),), 7, 0.0, 128, 8, 2**64 - 1, ImageFormat.WEBP, 0, None
     )  # fmt: skip
     assert (params.adapter, params.adapter_scale) == ("style", -2.0)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+from loraswap.server.engine.adapters.residency import stack_order
 from loraswap.server.engine.adapters.slot_modules import RankGatedLinear
 from loraswap.server.engine.adapters.swap_plan import check_stack_fits
 from loraswap.server.engine.errors import AdapterIncompatibleError, ErrorReason
@@ -169,9 +170,10 @@ def _named(adapter: CanonicalAdapter, name: str, layers=None) -> CanonicalAdapte
 
 
 def _assert_slot_holds(transformer, members) -> None:
-    """Each member's bytes sit in consecutive rank ranges of its layers, in name order; lora_B times its scale."""
+    """Each member's bytes sit in consecutive rank ranges of its layers, in stack_order (by content); lora_B times its
+    scale."""
     offsets: dict[str, int] = {}
-    for adapter, scale in sorted(members, key=lambda member: member[0].name):
+    for adapter, scale in stack_order(members):
         for name, layer in adapter.layers.items():
             module = transformer.get_submodule(name)
             start = offsets.get(name, 0)
@@ -194,7 +196,7 @@ def _assert_slot_holds(transformer, members) -> None:
 def test_stacks_then_single_then_base_match_a_fresh_slot_bit_for_bit(dtype, stale_magnitude):
     transformer, layers, slot, x, high = _stale_slot(dtype, stale_magnitude)
     half = len(layers) // 2
-    # Overlapping on the middle layers only, ranks 3 + 8 + 4 + 1 = 16 where all four meet (placed by name).
+    # Overlapping on the middle layers only, ranks 3 + 8 + 4 + 1 = 16 where all four meet (placed in stack_order).
     odd = _named(_adapter(transformer, layers, 3, 0.1, dtype, seed=3), "a-odd", layers[half - 2 :])
     first = _named(_adapter(transformer, layers, 8, 0.1, dtype, seed=2), "b-eight", layers[: half + 2])
     fourth = _named(_adapter(transformer, layers, 4, 0.1, dtype, seed=4), "c-four")
@@ -218,7 +220,7 @@ def test_stacks_then_single_then_base_match_a_fresh_slot_bit_for_bit(dtype, stal
             assert torch.isfinite(live[name]).all(), ([m[0].name for m in members], name)
         _assert_slot_holds(transformer, members)
         assert gates_match_resident(slot.slot) and slot.holds(members)
-        assert slot.resident_adapters == tuple(sorted((m[0] for m in members), key=lambda adapter: adapter.name))
+        assert slot.resident_adapters == tuple(adapter for adapter, _ in stack_order(members))
         # Nothing was cleared: the ranks beyond the stack still hold the high-rank adapter's values.
         assert transformer.get_submodule(layers[-1]).lora_A["loraswap_slot"].weight[12:].abs().max() > 0
     # Some member's 16-byte lora_B source met a rank range that starts off a 16-byte boundary.

@@ -45,6 +45,7 @@ __all__ = [
 DEFAULT_TARGET = "localhost:50051"
 
 ImageFormat = Literal["png", "jpeg", "webp"]
+FuseChoice = Literal["fused", "unfused"]
 
 _IMAGE_FORMAT_BY_NAME = {
     "png": pb.IMAGE_FORMAT_PNG,
@@ -52,6 +53,7 @@ _IMAGE_FORMAT_BY_NAME = {
     "jpg": pb.IMAGE_FORMAT_JPEG,
     "webp": pb.IMAGE_FORMAT_WEBP,
 }
+_FUSE_CHOICE_BY_NAME = {"fused": pb.FUSE_CHOICE_FUSED, "unfused": pb.FUSE_CHOICE_UNFUSED}
 
 
 class _DefaultTimeout(enum.Enum):
@@ -84,6 +86,8 @@ class GenerateOptions(TypedDict, total=False):
     - ``image_format`` ("png", "jpeg" or "webp"; default "png").
     - ``preview_every`` (int): N > 0 puts a small preview picture in the ``Progress`` event of every N-th step
       and of the last (0: none).
+    - ``fuse`` ("fused" or "unfused"): pins how the adapters are applied (merged into the base weights, or in the
+      swap slot); left out, the server's ``--fuse`` policy decides. ``GeneratedImage.fused`` says which ran.
     """
 
     adapter: str
@@ -97,6 +101,7 @@ class GenerateOptions(TypedDict, total=False):
     image_format: ImageFormat
     adapters: AdapterStack
     preview_every: int
+    fuse: FuseChoice | None
 
 
 GENERATE_KEYWORDS = GenerateOptions.__optional_keys__ | GenerateOptions.__required_keys__
@@ -135,6 +140,10 @@ def build_generate_request(prompt: str, **options: Unpack[GenerateOptions]) -> p
         raise InvalidRequest(
             f"unknown image format {image_format!r}; use one of png, jpeg, webp",
         )
+    fuse = options.pop("fuse", None)
+    encoded_fuse = _FUSE_CHOICE_BY_NAME.get(fuse.lower()) if isinstance(fuse, str) else None
+    if fuse is not None and encoded_fuse is None:
+        raise InvalidRequest(f"unknown fuse choice {fuse!r}; use fused or unfused, or leave it out for the server's policy")
     adapters = options.pop("adapters", None) or ()
     if isinstance(adapters, str):
         raise InvalidRequest(f"adapters must be a list of adapters, not the string {adapters!r}")
@@ -143,6 +152,7 @@ def build_generate_request(prompt: str, **options: Unpack[GenerateOptions]) -> p
             prompt=prompt,
             adapters=[_stacked_adapter_pb(entry) for entry in adapters],
             image_format=encoded_format,
+            fuse=encoded_fuse or pb.FUSE_CHOICE_UNSPECIFIED,
             **{name: value for name, value in options.items() if value is not None},
         )
     except (TypeError, ValueError) as exc:
@@ -238,7 +248,7 @@ class AsyncLoraswapClient:
 
         ``options`` are the :class:`GenerateOptions` keywords (adapter, adapter_scale, adapters,
         num_inference_steps, guidance_scale, width, height, seed, negative_prompt, image_format,
-        preview_every); those left out are not sent, so the server's defaults apply.
+        preview_every, fuse); those left out are not sent, so the server's defaults apply.
         Leaving the loop early (``break``) or cancelling the consuming task
         cancels the RPC, which stops the generation on the server; wrap the
         iterator in ``contextlib.aclosing`` to make that happen at the

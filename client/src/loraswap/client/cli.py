@@ -122,6 +122,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="ask for a preview of every step and write them to DIR as step-0001.jpg, ... (default: none)",
     )
+    generate.add_argument(
+        "--fuse",
+        choices=("fused", "unfused"),
+        help="pin how the adapters are applied: merged into the base weights, or in the swap slot "
+        "(default: the server's --fuse policy)",
+    )
     generate.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     generate.set_defaults(func=run_generate)
 
@@ -289,6 +295,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 negative_prompt=args.negative_prompt,
                 image_format=_image_format(args),
                 preview_every=1 if args.preview is not None else 0,
+                fuse=args.fuse,
             ):
                 if isinstance(event, GeneratedImage):
                     image = event

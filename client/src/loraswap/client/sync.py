@@ -129,7 +129,7 @@ class LoraswapClient:
 
         ``options`` are the :class:`~loraswap.client.aio.GenerateOptions` keywords (adapter, adapter_scale,
         adapters, num_inference_steps, guidance_scale, width, height, seed, negative_prompt, image_format,
-        preview_every); those left out are not sent, so the server's defaults apply.
+        preview_every, fuse); those left out are not sent, so the server's defaults apply.
         Leaving the loop early (``break``, an exception, Ctrl-C) cancels the RPC.
 
         Raises:

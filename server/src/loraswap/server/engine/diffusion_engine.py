@@ -24,11 +24,12 @@ from loraswap.server.engine.adapters.sources import (
     LocalAdapterDirectory,
     check_name,
 )
-from loraswap.server.engine.adapters.swap_plan import check_stack_fits
+from loraswap.server.engine.adapters.swap_plan import check_stack_fits, slot_can_hold
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import (
     EngineError,
     ErrorReason,
+    FuseChoiceError,
     InvalidRequestError,
     NotServingError,
     StartupError,
@@ -42,6 +43,7 @@ from loraswap.server.engine.scheduler import GenerationJob, GenerationScheduler
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,
+    FuseChoice,
     GeneratedImage,
     GenerationEvent,
     GenerationParams,
@@ -210,6 +212,7 @@ class DiffusionEngine:
             # The first event comes at once, not when a slow read, conversion or download is over.
             yield Queued(position=0, loading_adapter=True)
         stack, load_ms, warnings = await self._stack(params, loads)
+        self._check_fuse_choice(params, stack)
         warnings += rules.warnings(params)
 
         loop = asyncio.get_running_loop()
@@ -235,6 +238,28 @@ class DiffusionEngine:
                 yield event
         finally:
             self._scheduler.cancel(job)
+
+    def _check_fuse_choice(self, params: GenerationParams, stack: tuple[StackMember, ...]) -> None:
+        """Refuse, before anything is queued, a pinned path (GenerateRequest.fuse) this server cannot take for the
+        stack: fused on a server that does not fuse, unfused for adapters the slot cannot hold."""
+        if not stack or params.fuse is None:
+            return
+        config = self.config
+        if params.fuse is FuseChoice.FUSED and not config.fuses:
+            why = ("runs with --fuse never" if config.fuse == "never"
+                   else f"serves quantized weights (--quantize {config.quantize}), which it never fuses")  # fmt: skip
+            raise FuseChoiceError(
+                f"fuse is FUSE_CHOICE_FUSED but this server {why}; leave fuse unset, or ask for FUSE_CHOICE_UNFUSED",
+                fuse="FUSE_CHOICE_FUSED",
+            )
+        if params.fuse is FuseChoice.UNFUSED and not slot_can_hold((adapter for adapter, _ in stack), config.max_rank):
+            raise FuseChoiceError(
+                "fuse is FUSE_CHOICE_UNFUSED but the swap slot cannot hold "
+                f"{'this stack' if len(stack) > 1 else 'this adapter'} (a kind, layer, DoRA, bias or rank only a "
+                f"fused swap applies, or ranks adding up to more than --max-rank {config.max_rank}: ListAdapters' "
+                "must_fuse); leave fuse unset, or ask for FUSE_CHOICE_FUSED",
+                fuse="FUSE_CHOICE_UNFUSED",
+            )
 
     def _start_loads(self, params: GenerationParams) -> list[tuple[Future, bool]]:
         """For each of the request's adapters, its cache entry's future and whether it was cached; loads start now.

@@ -64,6 +64,7 @@ class ErrorReason(str, enum.Enum):
     ADAPTER_PINNED = "ADAPTER_PINNED"
     ADAPTER_KIND_UNSUPPORTED = "ADAPTER_KIND_UNSUPPORTED"
     FUSE_MEMORY_EXCEEDED = "FUSE_MEMORY_EXCEEDED"
+    FUSE_CHOICE_UNAVAILABLE = "FUSE_CHOICE_UNAVAILABLE"
 
     def __str__(self) -> str:
         # The wire string, on every Python version (3.10 would print "ErrorReason.NAME").
@@ -117,6 +118,12 @@ class AdapterIncompatibleError(EngineError):
     """The adapter is valid but exceeds what this server was started with (max rank, slot layers, strictness)."""
 
     reason = ErrorReason.ADAPTER_INCOMPATIBLE
+
+
+class FuseChoiceError(EngineError):
+    """The request pins a path (GenerateRequest.fuse) this server cannot take for it; nothing was changed."""
+
+    reason = ErrorReason.FUSE_CHOICE_UNAVAILABLE
 
 
 class BaseModelMismatchError(EngineError):

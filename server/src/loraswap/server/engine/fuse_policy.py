@@ -1,74 +1,109 @@
 """--fuse: when a swap merges the adapters into the base weights instead of copying them into the slot.
 
-Unfused, a swap is a copy of the adapter's factors, but every denoising step pays the LoRA
-branch at the stack's rank bucket. Fused (adapters/fused.py), a swap costs a merge (reading W0
-and writing the touched weights, plus the factors' product), and every step then costs what the
-base model's does. So:
+Unfused, a swap is a copy of the adapter's factors, but every denoising step pays the LoRA branch at the stack's
+rank bucket. Fused (adapters/fused.py), a swap costs a merge (reading W0 and writing the touched weights, plus
+the factors' products), and every step then costs what the base model's does. So:
 
-- `never`: always the slot (today's behaviour); adapters it cannot hold are refused.
+- `never`: always the slot; adapters it cannot hold are refused.
 - `always`: every adapter is fused; only the base model's graph is compiled.
-- `auto`: at each swap, fused when what fusing saves over the work about to run exceeds what the
-  merge costs:
+- `auto`: fused when the LoRA branch's work over this request's steps would cost more than the merge, both
+  predicted from shapes and ranks by a cost model whose constants are written below per device type:
 
-      (step_ms[bucket] - step_ms[0]) * pixels / measured_pixels * steps  >  merge_ms
+      unfused_ms = steps * (calls * lora_call_ns + bucket * (macs_per_pixel * pixels + fixed_macs) * lora_mac_ns)
+      merge_ms   = layers * merge_layer_ns + weight_bytes * merge_byte_ns + product_macs * merge_mac_ns
 
-  `steps` are this request's and those of the queued requests for the same adapters at the same
-  strengths (they run next without a swap); `step_ms` is measured by the server on its own model
-  at warm-up (median of timed steps at the default size, the base model's graph and each bucket's);
-  `merge_ms` = touched base-weight bytes * (per-byte cost + rank * per-byte-and-rank cost), both
-  measured by two timed merges at warm-up and corrected by every real merge. Adapters the slot
-  cannot hold, and stacks past its rank, are fused whatever the figures say.
+  - `calls`, `macs_per_pixel` and `fixed_macs` (`LoraWork`): what one step's LoRA branch does per rank over every
+    slot layer, sum of rows * (in + out), counted once at start-up (pipeline/lora_work.py) at two image sizes;
+    rows that grow with the image (its tokens) make the per-pixel part, the text's rows the fixed part;
+  - `bucket`: the rank bucket the stack computes at unfused; `pixels`: the request's width * height;
+  - `layers`, `weight_bytes`: the layers the merge touches and their base weights' bytes; `product_macs`: the
+    merge's products, each touched weight's elements times the stack's rank there (LoHa: twice).
 
-Which bucket graphs `auto` compiles: the base model's and the smallest bucket's, whose measured
-saving per step predicts the larger buckets' (the LoRA branch's cost grows with its rank); a
-larger bucket is compiled only when even one step of it would save less than merging costs, that
-is, when the rule could still choose it. Plain values here, no torch: the rule is table-tested.
+  Adapters the slot cannot hold, and stacks past its rank, are fused whatever the figures say.
+
+auto's choice is therefore a pure function of the request (its adapters' contents and strengths, steps, size) and
+of what the server was started with (model, dtype, device type, flags): never of timings, the queue, the load or
+what ran before, so the same request gives the same bytes on every replica and after a restart. The constants
+are calibrated by `benchmarks/fuse_costs.py` (BENCHMARKS.md says where each came from); a request can also pin
+the path (GenerateRequest.fuse).
+
+Which bucket graphs `auto` compiles follows from the same rule: a bucket's graph is needed only when some request
+could choose it, that is when one step at the smallest image costs less unfused than merging an adapter of the
+bucket's rank into every slot layer. Plain values here, no torch: the rule is table-tested.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 FUSE_POLICIES = ("never", "always", "auto")
-# How far one real merge moves the merge-cost correction (an exponential moving average).
-MERGE_CORRECTION_WEIGHT = 0.2
 
 
-@dataclass
-class FuseCosts:
-    """What the auto rule weighs, measured by the server on its own model (see the module docstring)."""
+@dataclass(frozen=True)
+class DeviceCosts:
+    """The cost model's constants for one device type, in nanoseconds (see the module docstring)."""
 
-    step_ms: dict[int, float]  # bucket (0: the base model) -> ms a step takes at measured_pixels
-    measured_pixels: int
-    merge_ms_per_byte: float  # the rank-independent part: reading W0 and writing the weights
-    merge_ms_per_byte_rank: float  # the product's part, per byte of weight and per rank
-    correction: float = 1.0  # real merges over predicted ones, averaged
-    merges_observed: int = field(default=0)
-
-    def saving_ms_per_step(self, bucket: int, pixels: int) -> float | None:
-        """What fusing saves on one step of an image of `pixels` at `bucket`; None when no graph computes it."""
-        if bucket not in self.step_ms or 0 not in self.step_ms:
-            return None
-        return max(0.0, self.step_ms[bucket] - self.step_ms[0]) * pixels / self.measured_pixels
-
-    def merge_ms(self, touched_bytes: int, rank: int) -> float:
-        """The predicted cost of merging a stack of summed `rank` into layers of `touched_bytes`."""
-        per_byte = self.merge_ms_per_byte + rank * self.merge_ms_per_byte_rank
-        return touched_bytes * per_byte * self.correction
-
-    def observe_merge(self, measured_ms: float, touched_bytes: int, rank: int) -> None:
-        """Correct the merge cost by a real merge's time."""
-        predicted = self.merge_ms(touched_bytes, rank) / self.correction
-        if predicted <= 0:
-            return
-        ratio = measured_ms / predicted
-        self.correction += MERGE_CORRECTION_WEIGHT * (ratio - self.correction)
-        self.merges_observed += 1
+    lora_call_ns: float  # per slot layer call of a step's LoRA branch (dispatch, launches)
+    lora_mac_ns: float  # per multiply-add of the LoRA branch (rows * rank * (in + out))
+    merge_layer_ns: float  # per layer a merge touches
+    merge_byte_ns: float  # per byte of base weight a merge reads from the pristine copy and writes
+    merge_mac_ns: float  # per multiply-add of a merge's products (weight elements * rank)
 
 
-def fuse_pays(saving_ms_per_step: float, steps: int, merge_ms: float) -> bool:
-    """The auto rule itself: fusing saves more over `steps` than the merge costs."""
-    return saving_ms_per_step * steps > merge_ms
+# Calibrated by benchmarks/fuse_costs.py; BENCHMARKS.md ("--fuse auto's cost model") gives each figure's source.
+DEVICE_COSTS: dict[str, DeviceCosts] = {
+    # This project's 2-core CPU machines: the least-squares fit of benchmarks/fuse_costs.py over shapes, tiny-flux
+    # and tiny-sdxl (float32, eager), at 1 and 2 threads, 2026-12-04 (benchmarks/results/fuse-costs-cpu-*.json).
+    "cpu": DeviceCosts(
+        lora_call_ns=48_000.0, lora_mac_ns=0.02, merge_layer_ns=18_000.0, merge_byte_ns=0.09, merge_mac_ns=0.015
+    ),
+    # H200, FLUX.1-dev: the LoRA branch from the published 4.24 s (rank 64) against 3.49 s (bare) over 28 steps;
+    # the merge from the device's memory bandwidth and float32 product rate (not yet timed on a GPU).
+    "cuda": DeviceCosts(
+        lora_call_ns=2_000.0, lora_mac_ns=8.7e-5, merge_layer_ns=30_000.0, merge_byte_ns=3e-3, merge_mac_ns=4e-5
+    ),
+}
+# Any other device type (mps, xpu) is costed as a GPU.
+OTHER_DEVICE_COSTS = DEVICE_COSTS["cuda"]
+
+
+def device_costs(device_type: str) -> DeviceCosts:
+    return DEVICE_COSTS.get(device_type, OTHER_DEVICE_COSTS)
+
+
+@dataclass(frozen=True)
+class LoraWork:
+    """What one denoising step's LoRA branch does per rank over every slot layer, counted at start-up."""
+
+    calls: int  # slot layer calls per step
+    macs_per_pixel: float  # rows * (in + out) per image pixel (the image's tokens)
+    fixed_macs: float  # rows * (in + out) that do not grow with the image (the text's tokens)
+
+    def step_macs(self, bucket: int, pixels: int) -> float:
+        return bucket * (self.macs_per_pixel * pixels + self.fixed_macs)
+
+
+@dataclass(frozen=True)
+class MergeWork:
+    """What a merge reads, writes and multiplies."""
+
+    layers: int
+    weight_bytes: int
+    product_macs: int
+
+
+def unfused_ms(costs: DeviceCosts, work: LoraWork, bucket: int, steps: int, pixels: int) -> float:
+    """The LoRA branch's cost over `steps` steps of an image of `pixels` at `bucket`."""
+    return steps * (work.calls * costs.lora_call_ns + work.step_macs(bucket, pixels) * costs.lora_mac_ns) / 1e6
+
+
+def merge_ms(costs: DeviceCosts, merge: MergeWork) -> float:
+    """A merge's cost."""
+    return (
+        merge.layers * costs.merge_layer_ns
+        + merge.weight_bytes * costs.merge_byte_ns
+        + merge.product_macs * costs.merge_mac_ns
+    ) / 1e6
 
 
 def choose_fused(
@@ -76,70 +111,42 @@ def choose_fused(
     *,
     fusing: bool,
     has_adapters: bool,
-    slot_can_hold: bool,
-    saving_ms_per_step: float | None,
-    steps: int,
-    merge_ms: float,
+    bucket: int | None,
+    unfused_cost_ms: float,
+    merge_cost_ms: float,
 ) -> bool:
-    """Whether a swap to a stack fuses it.
+    """Whether a request's stack runs fused.
 
-    `fusing`: the server can fuse at all (a policy other than never, weights not quantized);
-    `slot_can_hold`: the stack fits the slot (plain LoRAs, summed rank within max rank);
-    `saving_ms_per_step`: None when no compiled graph computes the stack's bucket unfused.
+    `fusing`: the server can fuse at all (a policy other than never, weights not quantized); `bucket`: the rank
+    bucket the stack computes at unfused, None when the slot cannot hold it.
     """
     if not fusing or not has_adapters or policy == "never":
         return False
-    if policy == "always" or not slot_can_hold or saving_ms_per_step is None:
+    if policy == "always" or bucket is None:
         return True
-    return fuse_pays(saving_ms_per_step, steps, merge_ms)
+    return unfused_cost_ms > merge_cost_ms
 
 
 def buckets_auto_may_choose(
-    buckets: tuple[int, ...], smallest_saving_ms: float, full_merge_ms: dict[int, float]
+    costs: DeviceCosts, work: LoraWork, buckets: tuple[int, ...], min_pixels: int, full_merges: dict[int, MergeWork]
 ) -> tuple[int, ...]:
-    """The rank buckets above the smallest whose graphs auto could still choose, given the smallest's measured
-    saving per step and the cost of merging an adapter of each bucket's rank into every slot layer.
-
-    A bucket's saving is predicted from the smallest one's in proportion to its rank; when one step of it would
-    save at least a full merge, fusing wins for any request and its graph is never needed.
-    """
-    smallest = buckets[0]
+    """The rank buckets whose graphs auto could choose: those where one step of the smallest image costs no more
+    unfused than merging an adapter of the bucket's rank into every slot layer (`full_merges`)."""
     return tuple(
         bucket
-        for bucket in buckets[1:]
-        if not fuse_pays(smallest_saving_ms * bucket / smallest, 1, full_merge_ms[bucket])
+        for bucket in buckets
+        if not unfused_ms(costs, work, bucket, 1, min_pixels) > merge_ms(costs, full_merges[bucket])
     )
 
 
-def warm_up_graphs(policy: str, fusing: bool, graph_buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """The graphs (rank buckets, the base model's 0 first) the warm-up runs before anything is measured.
+def warm_up_graphs(policy: str, fusing: bool, graph_buckets: tuple[int, ...], auto_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The graphs (rank buckets, the base model's 0 first) the warm-up compiles.
 
     Not fusing, every bucket: swaps are copies into the slot. `always`: the base model's only, since every
-    adapter is fused. `auto`: the base model's and the smallest bucket's, whose measured saving predicts the rest.
+    adapter is fused. `auto`: the base model's and the buckets auto may choose (`auto_buckets`).
     """
     if not fusing:
         return graph_buckets
     if policy == "always":
         return (0,)
-    return graph_buckets[:2]
-
-
-def measures_costs(policy: str, fusing: bool) -> bool:
-    """Whether the warm-up measures what the rule weighs: under auto, when the server fuses at all."""
-    return fusing and policy == "auto"
-
-
-def measured_graphs(warmed: tuple[int, ...], graph_buckets: tuple[int, ...], compiled: bool) -> tuple[int, ...]:
-    """The buckets whose steps auto times: those warmed up when compiled (a bucket that was not would compile
-    while timed); every bucket when not compiled, since the rule may then choose any."""
-    return warmed if compiled else graph_buckets
-
-
-def larger_buckets_to_compile(
-    costs: FuseCosts, rank_buckets: tuple[int, ...], all_weight_bytes: int
-) -> tuple[int, ...]:
-    """The buckets above the smallest that a compiled auto server must also warm up: those it could still choose
-    (buckets_auto_may_choose, with the smallest bucket's measured saving and merges over every slot layer)."""
-    full_merges = {bucket: costs.merge_ms(all_weight_bytes, bucket) for bucket in rank_buckets}
-    saving = costs.saving_ms_per_step(rank_buckets[0], costs.measured_pixels) or 0.0
-    return buckets_auto_may_choose(tuple(sorted(full_merges)), saving, full_merges)
+    return (0, *auto_buckets)

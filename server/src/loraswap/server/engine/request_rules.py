@@ -69,7 +69,7 @@ class RequestRules:
         return GenerationParams(
             prompt=request.prompt, negative_prompt=request.negative_prompt, adapters=adapters,
             num_inference_steps=steps, guidance_scale=guidance, width=width, height=height, seed=seed,
-            image_format=request.image_format, preview_every=request.preview_every,
+            image_format=request.image_format, preview_every=request.preview_every, fuse=request.fuse,
         )  # fmt: skip
 
     def warnings(self, params: GenerationParams) -> tuple[str, ...]:

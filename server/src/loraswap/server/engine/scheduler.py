@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, StackMember
-from loraswap.server.engine.adapters.residency import same_members, stack_order
+from loraswap.server.engine.adapters.residency import stack_order
 from loraswap.server.engine.config import SettingsError
 from loraswap.server.engine.errors import (
     EngineError,
@@ -57,10 +57,6 @@ class GenerationJob:
 
     def __post_init__(self) -> None:
         self.stack = stack_order(self.stack)
-
-    def same_stack(self, other: GenerationJob) -> bool:
-        """True when both apply the same adapters at the same strengths: one runs after the other without a swap."""
-        return same_members(self.stack, other.stack)
 
     def uses(self, resident: tuple[CanonicalAdapter, ...]) -> bool:
         """True when the job needs exactly the resident adapters (strengths aside): it runs without a swap."""
@@ -188,8 +184,8 @@ class GenerationScheduler:
                 return index
         return 0
 
-    def _next_job(self, runtime: DiffusionRuntime) -> tuple[GenerationJob, int] | None:
-        """The job to run next, and the steps of the waiting jobs for its stack (they run after it, unswapped)."""
+    def _next_job(self, runtime: DiffusionRuntime) -> GenerationJob | None:
+        """The job to run next."""
         with self._cond:
             while not self._waiting and not self._stopped:
                 self._cond.wait()
@@ -198,8 +194,7 @@ class GenerationScheduler:
             job = self._waiting.pop(self._pick(runtime.residency.resident_adapters))
             self._running = job
             self._publish_positions()
-            steps_after = sum(other.params.num_inference_steps for other in self._waiting if other.same_stack(job))
-            return job, steps_after
+            return job
 
     def _work(self) -> None:
         try:
@@ -216,20 +211,19 @@ class GenerationScheduler:
             self.ready.set_exception(exc)
             return
         self.ready.set_result(runtime)
-        while (picked := self._next_job(runtime)) is not None:
-            job, steps_after = picked
+        while (job := self._next_job(runtime)) is not None:
             try:
                 if not job.cancelled.is_set():
-                    self._run(runtime, job, steps_after)
+                    self._run(runtime, job)
             finally:
                 with self._cond:
                     self._running = None
 
-    def _run(self, runtime: DiffusionRuntime, job: GenerationJob, steps_after: int = 0) -> None:
+    def _run(self, runtime: DiffusionRuntime, job: GenerationJob) -> None:
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
         self._observer.job_dequeued(queue_ms / 1000.0)
         params = job.params
-        fused = runtime.fuse_choice(job.stack, params, steps_after)
+        fused = runtime.fuse_choice(job.stack, params)
         on_swap = None
         if runtime.needs_swap(job.stack, fused):
             self.swaps += 1

@@ -8,6 +8,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+class FuseChoice(enum.Enum):
+    """How a request pins the way its adapters are applied (GenerateRequest.fuse); None: the server's --fuse."""
+
+    FUSED = "fused"  # merged into the base weights
+    UNFUSED = "unfused"  # in the swap slot
+
+
 class ImageFormat(enum.Enum):
     """Encoding of a generated image."""
 
@@ -90,6 +97,7 @@ class GenerationRequest:
     seed: int | None = None
     image_format: ImageFormat = ImageFormat.PNG
     preview_every: int = 0  # a preview every this many steps and at the last; 0: none
+    fuse: FuseChoice | None = None  # the path pinned by the caller; None: the server's --fuse policy
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,7 @@ class GenerationParams:
     seed: int
     image_format: ImageFormat
     preview_every: int = 0  # a preview every this many steps and at the last; 0: none
+    fuse: FuseChoice | None = None  # the path pinned by the caller; None: the server's --fuse policy
 
     def wants_preview(self, step: int) -> bool:
         """Whether step `step` (1-based) carries a preview: every preview_every-th step and the last."""

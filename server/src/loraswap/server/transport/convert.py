@@ -13,6 +13,7 @@ from google.protobuf.message import Message
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,
+    FuseChoice,
     GeneratedImage,
     GenerationEvent,
     GenerationRequest,
@@ -33,6 +34,12 @@ _IMAGE_FORMAT_FROM_PB = {
     pb.IMAGE_FORMAT_PNG: ImageFormat.PNG,
     pb.IMAGE_FORMAT_JPEG: ImageFormat.JPEG,
     pb.IMAGE_FORMAT_WEBP: ImageFormat.WEBP,
+}
+# FUSE_CHOICE_UNSPECIFIED: the server's policy.
+_FUSE_CHOICE_FROM_PB = {
+    pb.FUSE_CHOICE_UNSPECIFIED: None,
+    pb.FUSE_CHOICE_FUSED: FuseChoice.FUSED,
+    pb.FUSE_CHOICE_UNFUSED: FuseChoice.UNFUSED,
 }
 _FAMILY_TO_PB = {ModelFamily.FLUX: pb.MODEL_FAMILY_FLUX, ModelFamily.SDXL: pb.MODEL_FAMILY_SDXL}
 
@@ -57,6 +64,12 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
             f"image_format {request.image_format} is unknown; use IMAGE_FORMAT_PNG, _JPEG or _WEBP",
             field="image_format",
         )
+    if request.fuse not in _FUSE_CHOICE_FROM_PB:
+        raise InvalidRequestError(
+            f"fuse {request.fuse} is unknown; use FUSE_CHOICE_FUSED, FUSE_CHOICE_UNFUSED, or leave it unset for the "
+            "server's --fuse policy",
+            field="fuse",
+        )
     return GenerationRequest(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
@@ -70,6 +83,7 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
         seed=_optional(request, "seed"),
         image_format=image_format,
         preview_every=request.preview_every,
+        fuse=_FUSE_CHOICE_FROM_PB[request.fuse],
     )
 
 

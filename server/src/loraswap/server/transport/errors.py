@@ -23,6 +23,7 @@ STATUS_FOR_ERROR: dict[type[engine_errors.EngineError], grpc.StatusCode] = {
     engine_errors.AdapterFormatError: grpc.StatusCode.INVALID_ARGUMENT,
     engine_errors.AdapterIncompatibleError: grpc.StatusCode.FAILED_PRECONDITION,
     engine_errors.BaseModelMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
+    engine_errors.FuseChoiceError: grpc.StatusCode.FAILED_PRECONDITION,
     engine_errors.AdapterNotFoundError: grpc.StatusCode.NOT_FOUND,
     engine_errors.AdapterPinnedError: grpc.StatusCode.FAILED_PRECONDITION,
     engine_errors.AdapterTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import time
 from collections import Counter
@@ -62,6 +63,9 @@ from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibl
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.scale_limits import MAX_ADAPTER_SCALE
 from loraswap.server.engine.types import ModelFamily
+
+# CanonicalAdapter.content_key digests this many values from each end of every tensor.
+CONTENT_KEY_VALUES = 64
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,25 @@ class CanonicalAdapter:
         """The kinds of change the adapter makes (lora, dora, lora+dora, loha, lokr, full, bias, ...), sorted."""
         kinds = {"dora" if layer.magnitude is not None else "lora" for layer in self.layers.values()}
         return tuple(sorted(kinds | {change.kind for change in self.changes.values()}))
+
+    @functools.cached_property
+    def content_key(self) -> str:
+        """A digest of the adapter's layers: their names, shapes and dtypes, and each tensor's first and last
+        values. What a stack's members are ordered by (residency.stack_order), so the names an adapter is reached
+        by never change a stack's image; computed on first use."""
+        digest = hashlib.sha256()
+        parts = [(f"slot:{name}", (layer.a, layer.b, layer.magnitude, layer.bias)) for name, layer in self.layers.items()]
+        parts += [(f"{key[0]}:{key[1]}", change.tensors) for key, change in self.changes.items()]
+        for label, tensors in sorted(parts, key=lambda part: part[0]):
+            digest.update(label.encode())
+            for tensor in tensors:
+                if tensor is None:
+                    continue
+                flat = tensor.detach().reshape(-1)
+                digest.update(f"{tuple(tensor.shape)}{tensor.dtype}".encode())
+                for values in (flat[:CONTENT_KEY_VALUES], flat[-CONTENT_KEY_VALUES:]):
+                    digest.update(values.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
     @functools.cached_property
     def changed_components(self) -> frozenset[str]:

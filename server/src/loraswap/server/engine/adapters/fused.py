@@ -54,6 +54,7 @@ from loraswap.server.engine.adapters.own_dtype_merges import (
 )
 from loraswap.server.engine.adapters.weight_changes import LayerChange, LowRank
 from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason, InvalidRequestError
+from loraswap.server.engine.fuse_policy import MergeWork
 
 # On the CPU a layer is merged a block of rows at a time, in a float32 scratch of this many elements (2 MiB) that
 # stays in a core's cache: main memory then sees W0 read and the weight written once each, as a plain copy
@@ -184,6 +185,29 @@ class FusedWeights:
     def layers_of(self, members: Iterable[StackMember]) -> set[LayerKey]:
         """The layers of these components a stack changes."""
         return _layers_of(members, self.components, self.slot_component)
+
+    def merge_work(self, members: Iterable[StackMember]) -> MergeWork:
+        """What merging these members reads, writes and multiplies (--fuse auto's merge cost): the layers, their
+        base weights' bytes, and each weight's elements times the members' product rank there."""
+        members = tuple(members)
+        keys = self.layers_of(members)
+        macs = 0
+        for key in keys:
+            rank = 0
+            for adapter, _ in members:
+                layer = adapter.layers.get(key[1]) if key[0] == self.slot_component else None
+                if layer is not None:
+                    rank += layer.rank
+                change = adapter.changes.get(key)
+                if change is not None:
+                    rank += change.product_rank
+            macs += self.pristine.model_layers.module(*key).weight.numel() * rank
+        return MergeWork(layers=len(keys), weight_bytes=self.pristine.weight_bytes(keys), product_macs=macs)
+
+    def full_merge_work(self, rank: int) -> MergeWork:
+        """merge_work of an adapter of `rank` on every slot layer."""
+        elements = sum(self.pristine.weights[key].numel() for key in self._slot_keys)
+        return MergeWork(layers=len(self._slot_keys), weight_bytes=self.all_weight_bytes, product_macs=elements * rank)
 
     def merge_bytes(self, members: Iterable[StackMember]) -> int:
         """Bytes of the base weights a merge of these members reads and writes."""

@@ -31,13 +31,18 @@ from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
 from loraswap.server.engine.adapters.fused import FusedWeights
 from loraswap.server.engine.adapters.model_layers import ModelLayers
 from loraswap.server.engine.adapters.slot import HotswapSlot
-from loraswap.server.engine.adapters.swap_plan import SwapPlanner, fullest_layer, layer_ranks
+from loraswap.server.engine.adapters.swap_plan import SwapPlanner
 from loraswap.server.engine.types import ModelFamily
 
 
 def stack_order(members: Iterable[StackMember]) -> tuple[StackMember, ...]:
-    """Members in the order the slot places them: by name, so the order a request gives never changes the image."""
-    return tuple(sorted(members, key=lambda member: member[0].name))
+    """Members in the order the slot places them and merges sum them: by their contents (content_key), then
+    strength and name, so neither the order a request gives nor the names its adapters are reached by change the
+    image."""
+    members = tuple(members)
+    if len(members) < 2:
+        return members
+    return tuple(sorted(members, key=lambda member: (member[0].content_key, member[1], member[0].name)))
 
 
 def same_members(ordered: tuple[StackMember, ...], other: tuple[StackMember, ...]) -> bool:
@@ -118,15 +123,6 @@ class AdapterResidency:
     def unfused_bucket(self, members: Iterable[StackMember]) -> int | None:
         """The bucket these adapters compute at unfused; None when the slot cannot hold them."""
         return self.planner.unfused_bucket(members)
-
-    def merge_size(self, members: Iterable[StackMember]) -> tuple[int, int]:
-        """What merging these adapters costs by: the base-weight bytes it reads and writes, and the summed rank on
-        their fullest layer (fused_weights must be set)."""
-        members = tuple(members)
-        fullest = fullest_layer(layer_ranks(adapter for adapter, _ in members))
-        rank = fullest[1] if fullest is not None else 0
-        rank = max([rank] + [change.rank for adapter, _ in members for change in adapter.changes.values()])
-        return self.fused_weights.merge_bytes(members), rank
 
     @property
     def bucket(self) -> int:

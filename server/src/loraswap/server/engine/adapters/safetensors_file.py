@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -33,6 +34,9 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 LORA_ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 # Metadata is untrusted input: honest LoraConfig JSON is a few kilobytes.
 MAX_METADATA_CHARS = 1 << 20
+# A file that changes while it is read is read again this many times in all, waiting a little longer each time.
+READ_ATTEMPTS = 4
+REREAD_DELAY_S = 0.05
 
 
 def _header(stream: BinaryIO, limit: int) -> tuple[dict, int]:
@@ -170,13 +174,42 @@ def read_adapter_file(adapter_file: AdapterFile) -> tuple[dict[str, torch.Tensor
     The tensors hold a copy of the file's bytes: nothing stays mapped from the file (safe_open would mmap it), so a
     file truncated or rewritten after it was cached can neither crash the server (SIGBUS on a mapped page) nor
     change the validated weights the cache holds. The size limit is held at reading time, even if the file grew
-    since it was found.
+    since it was found. A file written to while it is read (its size or times differ after the read from before
+    it) is read again, up to READ_ATTEMPTS times: what is served is the old file or the new one, never a mix.
     """
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            return _read_adapter_file(adapter_file)
+        except _ChangedWhileRead as changed:
+            if attempt == READ_ATTEMPTS:
+                raise AdapterFormatError(
+                    f"adapter {shorten(adapter_file.name)!r} kept changing while it was read ({READ_ATTEMPTS} "
+                    "tries); write the new file beside it and rename it over the old one, then retry",
+                ) from changed.error
+            time.sleep(REREAD_DELAY_S * attempt)
+    raise AssertionError("unreachable")
+
+
+class _ChangedWhileRead(Exception):
+    def __init__(self, error: BaseException | None) -> None:
+        super().__init__("changed while read")
+        self.error = error
+
+
+def _identity(handle: BinaryIO) -> tuple[int, int, int]:
+    """What changes when the open file is written to: its size and times. (A file replaced by a rename leaves the
+    open one as it was: that read is the old file, whole.)"""
+    opened = os.fstat(handle.fileno())
+    return opened.st_size, opened.st_mtime_ns, opened.st_ctime_ns
+
+
+def _read_adapter_file(adapter_file: AdapterFile) -> tuple[dict[str, torch.Tensor], dict | None]:
     label = shorten(adapter_file.name)
     limit = adapter_file.max_bytes
     try:
         with open(adapter_file.path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
+            before = _identity(handle)
+            size = before[0]
             if limit and size > limit:
                 raise AdapterTooLargeError(
                     f"adapter {label!r} is over the server's limit of {limit} bytes (--max-adapter-bytes); use a "
@@ -187,10 +220,14 @@ def read_adapter_file(adapter_file: AdapterFile) -> tuple[dict[str, torch.Tensor
                 state_dict, metadata = _read_tensors(handle, size)
             # Decoding untrusted bytes: whatever json or torch raise means the same thing, an unreadable file.
             except (ValueError, RecursionError, OverflowError, RuntimeError, TypeError) as exc:
+                if _identity(handle) != before:
+                    raise _ChangedWhileRead(exc) from exc
                 raise AdapterFormatError(
                     f"adapter {label!r} is not a readable safetensors file ({shorten(exc)}); "
                     "re-export or re-download the adapter"
                 ) from exc
+            if _identity(handle) != before:
+                raise _ChangedWhileRead(None)
     except OSError as exc:
         raise AdapterFormatError(
             f"adapter {label!r} cannot be read ({exc.strerror or type(exc).__name__}); check the file and its "

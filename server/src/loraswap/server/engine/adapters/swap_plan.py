@@ -65,6 +65,18 @@ def check_stack_fits(adapters: Iterable[CanonicalAdapter], max_rank: int) -> Non
     _refuse_over_max_rank(layer_ranks(adapters), max_rank)
 
 
+def slot_can_hold(adapters: Iterable[CanonicalAdapter], max_rank: int) -> bool:
+    """Whether the swap slot can hold these adapters together: plain LoRAs of its layers (no DoRA, trained bias,
+    other kind or layer) whose ranks add up to at most max_rank on every layer. Safe on any thread."""
+    adapters = list(adapters)
+    if any(not adapter.fits_slot for adapter in adapters) or any(
+        layer.magnitude is not None or layer.bias is not None for a in adapters for layer in a.layers.values()
+    ):
+        return False
+    worst = fullest_layer(layer_ranks(adapters))
+    return worst is None or worst[1] <= max_rank
+
+
 def _refuse_over_max_rank(ranks: dict[str, int], max_rank: int) -> None:
     worst = fullest_layer(ranks)
     if worst is not None and worst[1] > max_rank:
@@ -190,13 +202,10 @@ class SwapPlanner:
         """The bucket the slot would compute these adapters at unfused; None when the slot cannot hold them (an
         adapter that only fuses, or summed ranks above max rank)."""
         adapters = [adapter for adapter, _ in members]
-        if any(not adapter.fits_slot for adapter in adapters) or any(
-            layer.magnitude is not None or layer.bias is not None for a in adapters for layer in a.layers.values()
-        ):
+        if not slot_can_hold(adapters, self.max_rank):
             return None
         worst = fullest_layer(layer_ranks(adapters))
-        rank = worst[1] if worst is not None else 0
-        return bucket_for(rank, self.rank_buckets) if rank <= self.max_rank else None
+        return bucket_for(worst[1] if worst is not None else 0, self.rank_buckets)
 
     def copy_for(self, members: tuple[StackMember, ...]) -> StackCopy:
         """The copies that make `members` (in stack_order; none: the base model) resident.

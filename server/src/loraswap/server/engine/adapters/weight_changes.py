@@ -68,6 +68,11 @@ class LowRank:
         return self.down.shape[0]
 
     @property
+    def product_rank(self) -> int:
+        """The rank of the products a merge forms, per weight element (--fuse auto's merge cost)."""
+        return self.rank
+
+    @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(tensor for tensor in (self.down, self.up, self.mid) if tensor is not None)
 
@@ -108,6 +113,10 @@ class Hadamard:
     @property
     def rank(self) -> int:
         return self.w1b.shape[0]
+
+    @property
+    def product_rank(self) -> int:
+        return 2 * self.rank  # two products, w1a w1b and w2a w2b
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -153,6 +162,7 @@ class Kronecker:
     scale: float
 
     kind = "lokr"
+    product_rank = 0  # w1 ⊗ w2 is one multiply per element; the sides' own products are small
 
     @property
     def rank(self) -> int:
@@ -208,6 +218,7 @@ class Full:
 
     kind = "full"
     rank = 0
+    product_rank = 0
     scale = 1.0
 
     @property
@@ -247,6 +258,10 @@ class RowsOf:
     @property
     def rank(self) -> int:
         return self.of.rank
+
+    @property
+    def product_rank(self) -> int:
+        return self.of.product_rank
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -301,6 +316,10 @@ class LayerChange:
     @property
     def rank(self) -> int:
         return self.change.rank if self.change is not None else 0
+
+    @property
+    def product_rank(self) -> int:
+        return self.change.product_rank if self.change is not None else 0
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:

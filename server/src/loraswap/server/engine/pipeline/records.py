@@ -11,7 +11,7 @@ from loraswap.server.engine.adapters.model_layers import ModelLayers
 from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.compile_options import compile_mode_label
 from loraswap.server.engine.families import FamilyTraits
-from loraswap.server.engine.fuse_policy import FuseCosts
+from loraswap.server.engine.fuse_policy import LoraWork
 from loraswap.server.engine.pipeline.compile import CountingBackend
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, FixedThreads
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
@@ -46,6 +46,7 @@ class InstalledSlot:
     target_layers: tuple[str, ...]
     device_adapter_bytes: int  # device memory for the hot set of adapters (CUDA only; else 0)
     pristine_bytes: int = 0  # the pristine copies taken at start-up (the slot layers', --fuse auto|always; else 0)
+    lora_work: LoraWork | None = None  # what a step's LoRA branch does per rank (--fuse auto's cost model); else None
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,6 @@ class CompiledDenoiser:
 
 @dataclass(frozen=True)
 class WarmedUp:
-    """The warm-up phase's product: what --fuse auto weighs, and the graphs compiled by the end of it."""
+    """The warm-up phase's product: the graphs compiled by the end of it."""
 
-    fuse_costs: FuseCosts | None  # measured under --fuse auto; None otherwise
-    unfused_buckets: frozenset[int]  # the rank buckets a swap may compute at unfused (compiled, or not compiling)
     graphs_at_ready: int  # graphs compiled by the end of the warm-up: every later one is a recompilation

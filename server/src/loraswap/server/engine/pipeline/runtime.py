@@ -15,7 +15,7 @@ from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec
 from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
-from loraswap.server.engine.fuse_policy import FuseCosts, choose_fused
+from loraswap.server.engine.fuse_policy import choose_fused, device_costs, merge_ms, unfused_ms
 from loraswap.server.engine.pipeline.cpu_threads import FixedThreads
 from loraswap.server.engine.pipeline.records import (
     CompiledDenoiser,
@@ -25,10 +25,14 @@ from loraswap.server.engine.pipeline.records import (
     WarmedUp,
 )
 from loraswap.server.engine.pipeline.runner import PipelineRunner
-from loraswap.server.engine.types import GeneratedImage, GenerationParams, RuntimeFacts, StepProgress, Timings
-
-# --fuse auto's choices remembered per request (adapters, strengths, steps, size); the oldest go past this.
-MAX_REMEMBERED_CHOICES = 65536
+from loraswap.server.engine.types import (
+    FuseChoice,
+    GeneratedImage,
+    GenerationParams,
+    RuntimeFacts,
+    StepProgress,
+    Timings,
+)
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,6 @@ class DiffusionRuntime:
             loaded.traits.family, loaded.dtype, loaded.device, installed.model_layers,
             strict=config.strict_adapters,
         )  # fmt: skip
-        self._fuse_choices: dict[tuple, bool] = {}  # auto's choice per request, kept (see fuse_choice)
         self._static_facts = _static_facts(config, loaded, installed, weights, compiled, self._slot_spec)
         self.snapshot = self._take_snapshot()
 
@@ -76,11 +79,6 @@ class DiffusionRuntime:
     @property
     def denoiser(self):
         return self.loaded.denoiser
-
-    @property
-    def fuse_costs(self) -> FuseCosts | None:
-        """What --fuse auto weighs, as measured at warm-up (and corrected by real merges); None otherwise."""
-        return self.warmed.fuse_costs
 
     @property
     def recompilations(self) -> int:
@@ -103,47 +101,33 @@ class DiffusionRuntime:
 
     # -- how a stack is applied ---------------------------------------------------------------------
 
-    def fuse_choice(self, stack: tuple[StackMember, ...], params: GenerationParams, steps_after: int = 0) -> bool:
-        """Whether `params` runs with `stack` fused (--fuse; see fuse_policy.py); `steps_after` are the queued
-        requests' for the same stack, which run next without a swap.
-
-        Fused and unfused images differ in their last bits, so under auto a request keeps the choice made the
-        first time it was seen (by adapters, strengths, steps and size) for the server's life: the same request
-        gives the same image bytes whatever ran before it, as under never and always.
+    def fuse_choice(self, stack: tuple[StackMember, ...], params: GenerationParams) -> bool:
+        """Whether `params` runs with `stack` fused: the caller's pin (GenerateRequest.fuse, checked at admission)
+        or the server's --fuse policy. Under auto a pure function of the request and the server's flags
+        (fuse_policy.py's cost model), never of timings, the queue or what ran before: fused and unfused images
+        differ in their last bits, so the same request gives the same bytes on every replica and after a restart.
         """
         if not stack or not self.config.fuses:
             return False
-        key = _choice_key(stack, params)
-        chosen = self._fuse_choices.get(key)
-        if chosen is None:
-            chosen = self._choose_fused(stack, params.num_inference_steps + steps_after, params.width * params.height)
-            self._remember_choice(key, chosen)
-        return chosen
-
-    def needs_swap(self, stack: tuple[StackMember, ...], fused: bool) -> bool:
-        """Whether running `stack` (fused or not) changes what is resident."""
-        return self.residency.needs_swap(stack, fused)
-
-    def _choose_fused(self, stack: tuple[StackMember, ...], steps: int, pixels: int) -> bool:
+        if params.fuse is not None:
+            return params.fuse is FuseChoice.FUSED
         bucket = self.residency.unfused_bucket(stack)
-        costs = self.warmed.fuse_costs
-        saving = None
-        if bucket is not None and bucket in self.warmed.unfused_buckets:
-            saving = costs.saving_ms_per_step(bucket, pixels) if costs is not None else 0.0
+        work = self.installed.lora_work
+        costs = device_costs(self.loaded.device.type)
+        auto = self.config.fuse == "auto" and bucket is not None and work is not None
         return choose_fused(
             self.config.fuse,
             fusing=self.config.fuses,
             has_adapters=bool(stack),
-            slot_can_hold=bucket is not None,
-            saving_ms_per_step=saving,
-            steps=steps,
-            merge_ms=costs.merge_ms(*self.residency.merge_size(stack)) if costs is not None else 0.0,
-        )
+            bucket=bucket,
+            unfused_cost_ms=unfused_ms(costs, work, bucket, params.num_inference_steps, params.width * params.height)
+            if auto else 0.0,
+            merge_cost_ms=merge_ms(costs, self.residency.fused_weights.merge_work(stack)) if auto else 0.0,
+        )  # fmt: skip
 
-    def _remember_choice(self, key: tuple, fused: bool) -> None:
-        if key not in self._fuse_choices and len(self._fuse_choices) >= MAX_REMEMBERED_CHOICES:
-            self._fuse_choices.pop(next(iter(self._fuse_choices)))
-        self._fuse_choices[key] = fused
+    def needs_swap(self, stack: tuple[StackMember, ...], fused: bool) -> bool:
+        """Whether running `stack` (fused or not) changes what is resident."""
+        return self.residency.needs_swap(stack, fused)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -198,25 +182,18 @@ class DiffusionRuntime:
         """Make `stack` resident, fused or not (`merges`: this swap merges); returns (ms spent, whether it is fused).
 
         Under auto, fusing is only the cheaper way: a stack whose merge would overflow the model's dtype but
-        fits the slot runs unfused instead (the request keeps that choice), as it would under never.
+        fits the slot runs unfused instead, as it would under never (every time: whether a merge overflows is a
+        property of the stack and its strengths). A pinned fused path is refused instead.
         """
         try:
-            swap_ms = self.residency.load_stack(stack, fused=fused)
+            return self.residency.load_stack(stack, fused=fused), fused
         except InvalidRequestError as refused:
-            auto_may_unfuse = self.config.fuse == "auto" and self.residency.unfused_bucket(stack) is not None
+            auto_may_unfuse = (
+                self.config.fuse == "auto" and params.fuse is None and self.residency.unfused_bucket(stack) is not None
+            )
             if not (merges and auto_may_unfuse and refused.reason == ErrorReason.ADAPTER_OUT_OF_RANGE):
                 raise
-            self._remember_choice(_choice_key(stack, params), False)
             return self.residency.load_stack(stack, fused=False), False
-        if merges and self.warmed.fuse_costs is not None:
-            self.warmed.fuse_costs.observe_merge(swap_ms, *self.residency.merge_size(stack))
-        return swap_ms, fused
-
-
-def _choice_key(stack: tuple[StackMember, ...], params: GenerationParams) -> tuple:
-    """What a request's fuse choice is remembered by: its adapters and strengths, steps and size."""
-    return (tuple((adapter.name, scale) for adapter, scale in stack), params.num_inference_steps,
-            params.width, params.height)  # fmt: skip
 
 
 def _static_facts(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,10 +29,10 @@ from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import GenerationCancelledError, StartupError, StartupStopped
 from loraswap.server.engine.families import family_of
 from loraswap.server.engine.fuse_policy import (
-    FuseCosts,
-    larger_buckets_to_compile,
-    measured_graphs,
-    measures_costs,
+    buckets_auto_may_choose,
+    device_costs,
+    merge_ms,
+    unfused_ms,
     warm_up_graphs,
 )
 from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
@@ -41,7 +40,7 @@ from loraswap.server.engine.pipeline.attention import apply_attention, resolve_a
 from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, compile_counting
 from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
-from loraswap.server.engine.pipeline.fuse_costs import FuseCostMeter
+from loraswap.server.engine.pipeline.lora_work import count_lora_work
 from loraswap.server.engine.pipeline.preflight import preflight
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
 from loraswap.server.engine.pipeline.quantization import quantize_denoiser, weight_bytes
@@ -113,6 +112,8 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
     installed = install_slot(config, loaded)
     pristine = f", pristine copies {installed.pristine_bytes} bytes" if installed.pristine_bytes else ""
     clock.done("slot", f"{len(installed.target_layers)} layers at rank {config.max_rank}{pristine}")
+    if installed.lora_work is not None:
+        _log_auto_rule(loaded, installed)
     # A stop names the phase the log names next: unquantized, what follows the slot is the compile.
     stop.enter("quantize" if config.quantize != "none" else "compile")
     weights = quantize(config, loaded)
@@ -206,12 +207,15 @@ def install_slot(config: EngineConfig, loaded: LoadedModel) -> InstalledSlot:
     device_cache = DeviceAdapterCache(device_adapter_bytes, loaded.device) if device_adapter_bytes else None
     if config.device_adapter_bytes and device_cache is None:
         log.info("--device-adapter-bytes: adapters are copied from host memory on %s, no hot set", loaded.device)
+    # --fuse auto weighs the LoRA branch's work per step, counted on the pipeline before anything is compiled.
+    lora_work = count_lora_work(loaded, slot.base_layers()) if config.fuses and config.fuse == "auto" else None
     return InstalledSlot(
         residency=AdapterResidency(slot, fused_weights, device_cache, encoder_weights),
         model_layers=model_layers,
         target_layers=tuple(target_layers),
         device_adapter_bytes=device_adapter_bytes,
         pristine_bytes=pristine.nbytes,
+        lora_work=lora_work,
     )
 
 
@@ -288,53 +292,56 @@ def warm_up(
     compiled: CompiledDenoiser,
     stop: StartupStop | None = None,
 ) -> WarmedUp:
-    """Run the pipeline at the shapes and rank buckets that make every later request reuse a compiled graph, and
-    (--fuse auto) measure what the auto rule weighs, compiling the larger buckets only where it may choose them.
+    """Run the pipeline at the shapes and rank buckets that make every later request reuse a compiled graph: under
+    --fuse auto only the buckets its rule may choose (auto_buckets).
 
     Raises StartupStopped at the first pass or step after `stop` is requested."""
     stop = stop or StartupStop()
     slot = installed.residency.slot
     if not config.warmup:
-        return WarmedUp(None, frozenset(slot.rank_buckets), compiled.graphs_compiled)
+        return WarmedUp(compiled.graphs_compiled)
     runner = PipelineRunner(loaded, compiled)
     traits = loaded.traits
     requests = warm_up_requests(
         loaded.request_rules, traits.upsample_period(loaded.pipe), traits.warm_up_guidance(loaded.defaults)
     )
-    graphs = warm_up_graphs(config.fuse, config.fuses, slot.graph_buckets)
-    costs = None
+    graphs = warm_up_graphs(config.fuse, config.fuses, slot.graph_buckets, auto_buckets(loaded, installed))
     with compile_cache_scope(_compile_cache_folder(config, loaded, installed, compiled)):
-        warm = functools.partial(_run_at, loaded, runner, installed.residency, requests=requests, stop=stop)
         for bucket in warm_up_buckets(graphs, compiled.compiled):
-            warm(bucket)
-        if measures_costs(config.fuse, config.fuses):
-            stop.check()  # the measurements run a few steady steps each, on graphs compiled by now
-            costs = _measure_fuse_costs(FuseCostMeter(loaded, runner, installed.residency), graphs, compiled, warm)
-    unfused_buckets = frozenset(costs.step_ms if costs is not None else graphs) - {0}
-    if costs is not None:
-        log.info(
-            "--fuse auto: base step %.2f ms; %s; merge %.3g ms/MB + %.3g ms/MB per rank; unfused buckets %s",
-            costs.step_ms[0],
-            ", ".join(f"bucket {b} step {ms:.2f} ms" for b, ms in sorted(costs.step_ms.items()) if b),
-            costs.merge_ms_per_byte * 2**20, costs.merge_ms_per_byte_rank * 2**20,
-            ",".join(map(str, sorted(unfused_buckets))) or "none",
-        )  # fmt: skip
-    return WarmedUp(costs, unfused_buckets, compiled.graphs_compiled)
+            _run_at(loaded, runner, installed.residency, bucket, requests=requests, stop=stop)
+    return WarmedUp(compiled.graphs_compiled)
 
 
-def _measure_fuse_costs(
-    meter: FuseCostMeter, warmed: tuple[int, ...], compiled: CompiledDenoiser, warm: Callable[[int], None]
-) -> FuseCosts:
-    """auto's figures, timed on the buckets warmed up by now; then the larger buckets it could still choose are
-    warmed up (compiled) and timed too."""
-    slot = meter.residency.slot
-    costs = meter.fuse_costs(measured_graphs(warmed, slot.graph_buckets, compiled.compiled))
-    if compiled.compiled:
-        all_bytes = meter.residency.fused_weights.all_weight_bytes
-        for bucket in larger_buckets_to_compile(costs, slot.rank_buckets, all_bytes):
-            warm(bucket)
-            costs.step_ms[bucket] = meter.step_ms(bucket)
-    return costs
+def _log_auto_rule(loaded: LoadedModel, installed: InstalledSlot) -> None:
+    """The figures --fuse auto decides by (fuse_policy.py): the device type's constants and the LoRA work counted."""
+    costs = device_costs(loaded.device.type)
+    work = installed.lora_work
+    defaults = loaded.defaults
+    pixels = defaults.width * defaults.height
+    buckets = installed.residency.slot.rank_buckets
+    fused = installed.residency.fused_weights
+    log.info(
+        "--fuse auto: cost model for %s %s; LoRA work per step and rank: %d calls, %.4g MACs/pixel + %.4g MACs; at "
+        "%dx%d one step unfused costs %s, a merge of every slot layer %s; buckets it may run unfused: %s",
+        loaded.device.type, costs, work.calls, work.macs_per_pixel, work.fixed_macs, defaults.width, defaults.height,
+        ", ".join(f"{unfused_ms(costs, work, b, 1, pixels):.3g} ms at {b}" for b in buckets),
+        ", ".join(f"{merge_ms(costs, fused.full_merge_work(b)):.3g} ms at rank {b}" for b in buckets),
+        ",".join(map(str, auto_buckets(loaded, installed))) or "none",
+    )  # fmt: skip
+
+
+def auto_buckets(loaded: LoadedModel, installed: InstalledSlot) -> tuple[int, ...]:
+    """The rank buckets --fuse auto may run a stack at unfused (fuse_policy.buckets_auto_may_choose); () when the
+    server does not run auto."""
+    work = installed.lora_work
+    if work is None:
+        return ()
+    fused = installed.residency.fused_weights
+    buckets = installed.residency.slot.rank_buckets
+    return buckets_auto_may_choose(
+        device_costs(loaded.device.type), work, buckets, loaded.request_rules.min_size**2,
+        {bucket: fused.full_merge_work(bucket) for bucket in buckets},
+    )  # fmt: skip
 
 
 def _run_at(
