@@ -144,7 +144,7 @@ def measure_model(model: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fuse_costs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated built-in models")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (serve.py --fuse's servers: 1)")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default: the model's on the CPU)")

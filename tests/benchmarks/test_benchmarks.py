@@ -184,7 +184,7 @@ def test_serve_fuse_benchmark_compares_the_policies_on_both_workloads():
     assert {policy: values["fuse"] for policy, values in info.items()} == {p: p for p in ("never", "always", "auto")}
     assert info["never"]["fuse_pristine_bytes"] == 0 < info["always"]["fuse_pristine_bytes"]
     assert info["auto"]["fuse_pristine_bytes"] == info["always"]["fuse_pristine_bytes"]
-    assert report["auto_rule"].startswith("--fuse auto: base step")
+    assert report["auto_rule"].startswith("--fuse auto: cost model for cpu")
     assert report["recompilations"] == 0
 
 

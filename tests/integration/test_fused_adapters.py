@@ -10,6 +10,8 @@ end mix fused and unfused swaps on compiled runtimes (--compile full and regiona
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import pytest_asyncio
 import torch
@@ -192,11 +194,20 @@ async def test_a_refused_request_leaves_the_fused_weights_untouched(client) -> N
 
 
 @pytest.mark.parametrize("kind", ["full", "regional"])
-def test_fused_and_unfused_swaps_in_any_order_compile_nothing_and_keep_every_address(fused_adapter_dir, kind):
+def test_fused_and_unfused_swaps_in_any_order_compile_nothing_and_keep_every_address(
+    fused_adapter_dir, kind, monkeypatch
+):
+    """A compiled auto runtime serves both paths from the graphs its rule compiled: here merges are costed so dear
+    that the rule may choose every bucket unfused, so the warm-up compiles them all beside the base model's."""
+    from loraswap.server.engine import fuse_policy
+
+    dear_merges = dataclasses.replace(fuse_policy.DEVICE_COSTS["cpu"], merge_layer_ns=1e9)
+    monkeypatch.setitem(fuse_policy.DEVICE_COSTS, "cpu", dear_merges)
     runtime = start_runtime(
         EngineConfig(model="tiny-flux", max_rank=MAX_RANK, compile=kind, compile_backend="eager", fuse="auto",
                      torch_threads=TEST_TORCH_THREADS)
     )  # fmt: skip
+    assert runtime.warmed.unfused_buckets == frozenset(runtime.residency.slot.rank_buckets)
     directory = LocalAdapterDirectory(fused_adapter_dir)
     adapters = {name: load_canonical(directory.find(name), runtime.slot_spec()) for name in ADAPTERS}
     params = runtime.request_rules.resolve(GenerationRequest(prompt=PROMPT, seed=SEED, num_inference_steps=2))

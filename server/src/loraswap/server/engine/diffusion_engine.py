@@ -252,12 +252,24 @@ class DiffusionEngine:
                 f"fuse is FUSE_CHOICE_FUSED but this server {why}; leave fuse unset, or ask for FUSE_CHOICE_UNFUSED",
                 fuse="FUSE_CHOICE_FUSED",
             )
-        if params.fuse is FuseChoice.UNFUSED and not slot_can_hold((adapter for adapter, _ in stack), config.max_rank):
+        if params.fuse is not FuseChoice.UNFUSED:
+            return
+        if not slot_can_hold((adapter for adapter, _ in stack), config.max_rank):
             raise FuseChoiceError(
                 "fuse is FUSE_CHOICE_UNFUSED but the swap slot cannot hold "
                 f"{'this stack' if len(stack) > 1 else 'this adapter'} (a kind, layer, DoRA, bias or rank only a "
                 f"fused swap applies, or ranks adding up to more than --max-rank {config.max_rank}: ListAdapters' "
                 "must_fuse); leave fuse unset, or ask for FUSE_CHOICE_FUSED",
+                fuse="FUSE_CHOICE_UNFUSED",
+            )
+        runtime = self._require_runtime()
+        if runtime.unfused_bucket(stack) is None:
+            bucket = runtime.residency.unfused_bucket(stack)
+            raise FuseChoiceError(
+                f"fuse is FUSE_CHOICE_UNFUSED but this server compiled no graph for the swap slot at rank bucket "
+                f"{bucket} (--fuse auto compiles only the buckets its cost model may choose, and a compile now would "
+                "stall the queue); leave fuse unset, or send unfused requests to a server started with --fuse never "
+                "or --no-compile",
                 fuse="FUSE_CHOICE_UNFUSED",
             )
 

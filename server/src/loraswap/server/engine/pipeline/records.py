@@ -83,6 +83,9 @@ class CompiledDenoiser:
 
 @dataclass(frozen=True)
 class WarmedUp:
-    """The warm-up phase's product: the graphs compiled by the end of it."""
+    """The warm-up phase's product: the graphs compiled by the end of it, and the buckets that have one unfused."""
 
+    # The rank buckets a stack may compute at unfused without compiling: those warmed up (compiled), every bucket
+    # when the denoiser is not compiled or not warmed up (nothing compiled is at stake).
+    unfused_buckets: frozenset[int]
     graphs_at_ready: int  # graphs compiled by the end of the warm-up: every later one is a recompilation

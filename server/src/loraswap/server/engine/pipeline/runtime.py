@@ -95,7 +95,7 @@ class DiffusionRuntime:
             self._static_facts,
             recompilations=self.recompilations,
             resident_adapter=resident[0].name if len(resident) == 1 else "",
-            resident_adapters=tuple(adapter.name for adapter in resident),
+            resident_adapters=tuple(sorted(adapter.name for adapter in resident)),
         )
         return RuntimeSnapshot(facts=facts, resident=resident)
 
@@ -111,7 +111,7 @@ class DiffusionRuntime:
             return False
         if params.fuse is not None:
             return params.fuse is FuseChoice.FUSED
-        bucket = self.residency.unfused_bucket(stack)
+        bucket = self.unfused_bucket(stack)
         work = self.installed.lora_work
         costs = device_costs(self.loaded.device.type)
         auto = self.config.fuse == "auto" and bucket is not None and work is not None
@@ -124,6 +124,13 @@ class DiffusionRuntime:
             if auto else 0.0,
             merge_cost_ms=merge_ms(costs, self.residency.fused_weights.merge_work(stack)) if auto else 0.0,
         )  # fmt: skip
+
+    def unfused_bucket(self, stack: tuple[StackMember, ...]) -> int | None:
+        """The bucket `stack` computes at unfused; None when the slot cannot hold it, or when its bucket has no
+        compiled graph (a compiled --fuse auto server warms up only the buckets its rule may choose). Pure: any
+        thread may ask."""
+        bucket = self.residency.unfused_bucket(stack)
+        return bucket if bucket in self.warmed.unfused_buckets else None
 
     def needs_swap(self, stack: tuple[StackMember, ...], fused: bool) -> bool:
         """Whether running `stack` (fused or not) changes what is resident."""
@@ -188,9 +195,7 @@ class DiffusionRuntime:
         try:
             return self.residency.load_stack(stack, fused=fused), fused
         except InvalidRequestError as refused:
-            auto_may_unfuse = (
-                self.config.fuse == "auto" and params.fuse is None and self.residency.unfused_bucket(stack) is not None
-            )
+            auto_may_unfuse = self.config.fuse == "auto" and params.fuse is None and self.unfused_bucket(stack) is not None
             if not (merges and auto_may_unfuse and refused.reason == ErrorReason.ADAPTER_OUT_OF_RANGE):
                 raise
             return self.residency.load_stack(stack, fused=False), False

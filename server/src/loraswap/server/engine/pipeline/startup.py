@@ -298,8 +298,10 @@ def warm_up(
     Raises StartupStopped at the first pass or step after `stop` is requested."""
     stop = stop or StartupStop()
     slot = installed.residency.slot
+    if not config.warmup or not compiled.compiled:
+        unfused = frozenset(slot.rank_buckets)
     if not config.warmup:
-        return WarmedUp(compiled.graphs_compiled)
+        return WarmedUp(unfused, compiled.graphs_compiled)
     runner = PipelineRunner(loaded, compiled)
     traits = loaded.traits
     requests = warm_up_requests(
@@ -309,7 +311,9 @@ def warm_up(
     with compile_cache_scope(_compile_cache_folder(config, loaded, installed, compiled)):
         for bucket in warm_up_buckets(graphs, compiled.compiled):
             _run_at(loaded, runner, installed.residency, bucket, requests=requests, stop=stop)
-    return WarmedUp(compiled.graphs_compiled)
+    if compiled.compiled:
+        unfused = frozenset(graphs) - {0}
+    return WarmedUp(unfused, compiled.graphs_compiled)
 
 
 def _log_auto_rule(loaded: LoadedModel, installed: InstalledSlot) -> None:
