@@ -275,6 +275,25 @@ async def test_unencodable_arguments_raise_invalid_request(
     assert service.generate_requests == []
 
 
+@pytest.mark.parametrize(("fuse", "sent"), [(None, pb.FUSE_CHOICE_UNSPECIFIED), ("fused", pb.FUSE_CHOICE_FUSED),
+                                           ("unfused", pb.FUSE_CHOICE_UNFUSED), ("FUSED", pb.FUSE_CHOICE_FUSED)])  # fmt: skip
+async def test_the_fuse_pin_is_sent_as_the_contracts_choice(
+    client: AsyncLoraswapClient, service: FakeDiffusionService, fuse: str | None, sent: int
+) -> None:
+    await client.generate_image("a lighthouse", adapter="ink", fuse=fuse)  # type: ignore[arg-type]
+
+    assert service.generate_requests[-1].fuse == sent
+
+
+async def test_an_unknown_fuse_pin_is_refused_before_anything_is_sent(
+    client: AsyncLoraswapClient, service: FakeDiffusionService
+) -> None:
+    with pytest.raises(InvalidRequest, match="use fused or unfused"):
+        await client.generate_image("a lighthouse", adapter="ink", fuse="sometimes")  # type: ignore[arg-type]
+
+    assert service.generate_requests == []
+
+
 async def test_a_stack_is_sent_in_any_form_and_reported_typed(
     client: AsyncLoraswapClient, service: FakeDiffusionService
 ) -> None:
@@ -553,6 +572,17 @@ async def test_cli_adapter_options_send_one_adapter_or_a_stack(
     # Proto floats are float32: compare what was sent rounded back to what was written.
     sent = [(entry.adapter, round(entry.scale, 6) if entry.HasField("scale") else None) for entry in request.adapters]
     assert sent == stack
+
+
+@pytest.mark.parametrize(("argv", "sent"), [((), pb.FUSE_CHOICE_UNSPECIFIED), (("--fuse", "fused"), pb.FUSE_CHOICE_FUSED),
+                                           (("--fuse", "unfused"), pb.FUSE_CHOICE_UNFUSED)])  # fmt: skip
+async def test_cli_fuse_pins_the_path(target: str, service: FakeDiffusionService, tmp_path: Path, argv, sent) -> None:
+    args = parse_cli("generate", "a lighthouse", "--server", target, "-q", "-o", str(tmp_path / "out.png"),
+                     "--adapter", "ink", *argv)  # fmt: skip
+
+    assert await asyncio.to_thread(args.func, args) == 0
+
+    assert service.generate_requests[-1].fuse == sent
 
 
 @pytest.mark.parametrize(

@@ -153,3 +153,27 @@ def test_fuse_auto_decides_from_the_request_alone_so_its_bits_stay() -> None:
     again = start_runtime(config)
     assert again.installed.lora_work == runtime.installed.lora_work
     assert again.fuse_choice(stack, params) is chosen
+
+
+def test_fuse_auto_keeps_the_slot_where_its_cost_model_says_the_merge_costs_more(monkeypatch) -> None:
+    """The rule's other side: with merges costed dear (a device whose merges are slow against its LoRA branch), a
+    short request runs unfused and a long one fused, exactly where the predicted costs cross."""
+    import dataclasses
+
+    from loraswap.server.engine import fuse_policy
+    from loraswap.server.engine.adapters.canonical import load_canonical
+    from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
+
+    dear = dataclasses.replace(fuse_policy.DEVICE_COSTS["cpu"], merge_layer_ns=1e6)
+    monkeypatch.setitem(fuse_policy.DEVICE_COSTS, "cpu", dear)
+    runtime = start_runtime(EngineConfig(model="shapes", compile="none", warmup=False, torch_threads=TEST_TORCH_THREADS))
+    outline = load_canonical(LocalAdapterDirectory(shapes_adapter_dir()).find("outline"), runtime.slot_spec())
+    stack = ((outline, 1.0),)
+    bucket = runtime.unfused_bucket(stack)
+    merge = fuse_policy.merge_ms(dear, runtime.residency.fused_weights.merge_work(stack))
+    per_step = fuse_policy.unfused_ms(dear, runtime.installed.lora_work, bucket, 1, 64 * 64)
+    crossing = int(merge // per_step)  # the most steps that still cost no more unfused than the merge
+    assert 1 <= crossing < 200
+    for steps, fused in ((1, False), (crossing, False), (crossing + 1, True), (200, True)):
+        params = runtime.request_rules.resolve(GenerationRequest(prompt="a blue circle", seed=1, num_inference_steps=steps))
+        assert runtime.fuse_choice(stack, params) is fused, steps
