@@ -267,3 +267,16 @@ def test_random_flux_has_flux1_layer_shapes_at_reduced_depth():
     assert transformer.x_embedder.in_features == 64
     weights = attention.to_q.weight
     assert weights.dtype == torch.bfloat16 and 0.015 < weights.float().std().item() < 0.025
+
+
+def test_fuse_costs_benchmark_fits_the_constants_from_measured_steps_and_merges():
+    report = run_benchmark("benchmarks.fuse_costs", "--models", "tiny-flux", "--rounds", "1", "--steps", "3")
+    assert report["benchmark"] == "fuse_costs" and [m["model"] for m in report["models"]] == ["tiny-flux"]
+    (model,) = report["models"]
+    assert model["lora_work"]["calls"] > 0 and model["lora_work"]["macs_per_pixel"] > 0
+    assert [row["bucket"] for row in model["lora"]] == [16, 32, 64]
+    assert all(row["merge_ms"] > 0 and row["predicted_ms_code"] > 0 for row in model["merges"])
+    assert set(report["fitted"]) == set(report["code"]) == {
+        "lora_call_ns", "lora_mac_ns", "merge_layer_ns", "merge_byte_ns", "merge_mac_ns"
+    }  # fmt: skip
+    assert all(math.isfinite(value) and value >= 0 for value in report["fitted"].values())
