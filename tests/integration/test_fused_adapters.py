@@ -190,6 +190,21 @@ async def test_a_refused_request_leaves_the_fused_weights_untouched(client) -> N
     assert again.data == resident.data and again.timings.adapter_swap_ms == 0.0  # still resident: no swap
 
 
+@pytest.mark.asyncio(loop_scope="session")
+async def test_on_a_compiled_server_an_unfused_pin_without_a_compiled_graph_is_refused(client) -> None:
+    """This --fuse always server compiled the base model's graph only: an unfused pin would compile mid-queue, so
+    it is refused, changing nothing; the fused pin is the policy's own path."""
+    resident = await image_of(client, CASES["plain"])
+    with pytest.raises(LoraswapError) as refused:
+        await client.generate_image(PROMPT, adapter="attn", seed=SEED, num_inference_steps=STEPS,
+                                    guidance_scale=GUIDANCE, fuse="unfused")  # fmt: skip
+    assert refused.value.code.name == "FAILED_PRECONDITION" and refused.value.reason == "FUSE_CHOICE_UNAVAILABLE"
+    assert "compiled no graph" in str(refused.value)
+    pinned = await client.generate_image(PROMPT, adapter="attn", seed=SEED, num_inference_steps=STEPS,
+                                         guidance_scale=GUIDANCE, fuse="fused")  # fmt: skip
+    assert pinned.fused and pinned.data == resident.data and pinned.timings.adapter_swap_ms == 0.0
+
+
 # -- fused and unfused on one compiled runtime -------------------------------------------------------------
 
 
