@@ -161,7 +161,8 @@ class EngineConfig:
         "auto",
         "how a swap applies an adapter: never (copied into the swap slot; every step pays the LoRA branch), "
         "always (merged into the base weights from a pristine copy: a step costs the base model's) or auto "
-        "(merged when the steps about to run save more than the merge costs, as measured at warm-up); adapters "
+        "(merged when a cost model of the layers' shapes and the adapters' ranks says the merge costs less than the "
+        "LoRA branch over the request's steps: decided from the request alone, the same on every replica); adapters "
         "the slot cannot hold (DoRA, trained biases, ranks above --max-rank) are served fused unless never",
         choices=FUSE_POLICIES,
     )
