@@ -29,7 +29,7 @@ every request, `--switch-steps` steps) and "runs" (runs of `--run-length` reques
 of one adapter, `--run-steps` steps). Per policy and workload: images per second
 (median over rounds), p50/p99 latency, how many images came fused (`Image.fused`),
 and what GetServerInfo says (policy, pristine bytes, recompilations); for auto, the
-figures its rule weighed (the server's `--fuse auto:` log line).
+figures its cost model decides by (the server's `--fuse auto:` log line).
 
 Random full-size models are exported to a temporary diffusers folder that the
 server loads with `--model DIR` (the real denoiser; tiny text encoders and VAE).
@@ -591,7 +591,7 @@ def summarize_fuse(measured: dict, args) -> dict:
 
 
 def auto_rule_figures(log_path: Path) -> str | None:
-    """The `--fuse auto:` line the server logs at start-up (its measured step and merge costs), if any."""
+    """The `--fuse auto:` line the server logs at start-up (its cost model's constants and predictions), if any."""
     for line in log_path.read_text().splitlines():
         if "--fuse auto:" in line:
             return line[line.index("--fuse auto:") :].strip()

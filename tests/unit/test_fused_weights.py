@@ -338,12 +338,16 @@ def _own_dtype_changes(dtype: torch.dtype, generator: torch.Generator) -> dict[s
         "lokr-conv": (LayerChange(Kronecker(draw(4, 4), None, None, None, draw(12, 3), draw(3, 90), None, 1.0)), conv),
         "lokr-conv-tucker": (LayerChange(Kronecker(draw(4, 4), None, None, None, draw(3, 12), draw(3, 10),
                                                    draw(3, 3, 3, 3), 1.0)), conv),
+        # A whole w1 stored with the conv's window axes: merged by the float32 block path instead.
+        "lokr-conv-w1-with-window": (LayerChange(Kronecker(draw(4, 4, 1, 1), None, None, draw(12, 10, 3, 3), None,
+                                                           None, None, 1.0)), conv),
     }  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "kind", ["loha", "lokr", "lokr-whole-w1-decomposed", "loha-conv", "lokr-conv", "lokr-conv-tucker"]
+    "kind",
+    ["loha", "lokr", "lokr-whole-w1-decomposed", "loha-conv", "lokr-conv", "lokr-conv-tucker", "lokr-conv-w1-with-window"],
 )
 def test_one_loha_or_lokr_alone_is_written_in_the_weights_dtype_to_within_a_rounding_of_its_float32_merge(
     kind: str, dtype: torch.dtype
@@ -355,6 +359,7 @@ def test_one_loha_or_lokr_alone_is_written_in_the_weights_dtype_to_within_a_roun
 
     generator = torch.Generator().manual_seed(2)
     change, shape = _own_dtype_changes(dtype, generator)[kind]
+    torch.manual_seed(3)  # the layer's own initial weights
     layer = (torch.nn.Linear(shape[1], shape[0]) if len(shape) == 2 else torch.nn.Conv2d(shape[1], shape[0], 3)).to(dtype)
     w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
     adapter = CanonicalAdapter(name=kind, source="test", warnings=(), load_ms=0.0, layers={}, fits_slot=False,
@@ -378,15 +383,20 @@ def test_one_loha_or_lokr_alone_is_written_in_the_weights_dtype_to_within_a_roun
     assert torch.equal(layer.weight, first)
 
 
-@pytest.mark.parametrize("kind", ["loha", "lokr"])
+@pytest.mark.parametrize("kind", ["loha", "loha-one-product", "lokr"])
 def test_a_loha_or_lokr_written_in_its_own_dtype_that_overflows_is_refused(kind: str) -> None:
-    """Factors whose bound passes bfloat16's range are checked, and an overflowing merge is refused as before."""
+    """Factors whose bound passes bfloat16's range are checked, and an overflowing merge is refused as before;
+    for LoHa each product's bound counts, not only theirs (2^64 * 2^64 overflows while 2^-60 * 2^-60 makes their
+    product's bound small)."""
     from loraswap.server.engine.adapters.fused import FusedWeights
     from loraswap.server.engine.adapters.weight_changes import Hadamard, Kronecker, LayerChange
 
     huge = torch.full((64, 4), 1e19, dtype=torch.bfloat16)
+    big, tiny = torch.full((64, 1), 2.0**64, dtype=torch.bfloat16), torch.full((64, 1), 2.0**-60, dtype=torch.bfloat16)
     change = (LayerChange(Hadamard(huge, huge.T.contiguous(), huge, huge.T.contiguous(), None, None, 1.0))
-              if kind == "loha" else LayerChange(Kronecker(torch.full((8, 8), 1e30, dtype=torch.bfloat16), None, None,
+              if kind == "loha" else
+              LayerChange(Hadamard(big, big.T.contiguous(), tiny, tiny.T.contiguous(), None, None, 1.0))
+              if kind == "loha-one-product" else LayerChange(Kronecker(torch.full((8, 8), 1e30, dtype=torch.bfloat16), None, None,
                                                            torch.full((8, 8), 1e30, dtype=torch.bfloat16), None, None,
                                                            None, 1.0)))  # fmt: skip
     layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)

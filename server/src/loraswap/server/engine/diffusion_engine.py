@@ -267,9 +267,9 @@ class DiffusionEngine:
             bucket = runtime.residency.unfused_bucket(stack)
             raise FuseChoiceError(
                 f"fuse is FUSE_CHOICE_UNFUSED but this server compiled no graph for the swap slot at rank bucket "
-                f"{bucket} (--fuse auto compiles only the buckets its cost model may choose, and a compile now would "
-                "stall the queue); leave fuse unset, or send unfused requests to a server started with --fuse never "
-                "or --no-compile",
+                f"{bucket} (a compiled server warms up only the graphs its --fuse policy runs: always the base "
+                "model's, auto the buckets its cost model may choose; a compile now would stall the queue); leave "
+                "fuse unset, or send unfused requests to a server started with --fuse never or --no-compile",
                 fuse="FUSE_CHOICE_UNFUSED",
             )
 

@@ -68,6 +68,13 @@ from loraswap.server.engine.types import ModelFamily
 CONTENT_KEY_VALUES = 64
 
 
+def _change_numbers(change: LayerChange) -> str:
+    """The numbers of a layer's change that are not tensors: its kind, scale, rows (a stacked layer's), DoRA ε."""
+    kind = change.change
+    inner = getattr(kind, "of", kind)
+    return f"{change.kind}|{getattr(inner, 'scale', None)!r}|{getattr(kind, 'rows', None)!r}|{change.dora_eps!r}"
+
+
 @dataclass(frozen=True)
 class SlotSpec:
     """What the resident swap slot accepts: its layers' shapes, max rank, dtype and device."""
@@ -163,7 +170,9 @@ class CanonicalAdapter:
         by never change a stack's image; computed on first use."""
         digest = hashlib.sha256()
         parts = [(f"slot:{name}", (layer.a, layer.b, layer.magnitude, layer.bias)) for name, layer in self.layers.items()]
-        parts += [(f"{key[0]}:{key[1]}", change.tensors) for key, change in self.changes.items()]
+        # A change's plain numbers (its alpha / rank, the weight decomposition's epsilon, a stacked layer's rows)
+        # are part of it as much as its tensors.
+        parts += [(f"{key[0]}:{key[1]}:{_change_numbers(change)}", change.tensors) for key, change in self.changes.items()]
         for label, tensors in sorted(parts, key=lambda part: part[0]):
             digest.update(label.encode())
             for tensor in tensors:

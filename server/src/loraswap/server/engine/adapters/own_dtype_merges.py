@@ -74,9 +74,13 @@ def own_dtype_change(change: LayerChange, dtype: torch.dtype) -> bool:
     if change.dora_scale is not None or dtype not in OWN_DTYPES:
         return False
     if isinstance(kind, Hadamard):
-        own = kind.t1 is None
+        # Both products of one rank, a factors (out, rank): the shapes the per-block products take.
+        own = kind.t1 is None and kind.w1a.dim() == kind.w2a.dim() == 2 and kind.w1b.shape[0] == kind.w2b.shape[0]
+    elif isinstance(kind, Kronecker):
+        # w1 a matrix (whole, or a product of matrices): the shape the broadcast view takes.
+        own = kind.w1.dim() == 2 if kind.w1 is not None else kind.w1a.dim() == kind.w1b.dim() == 2
     else:
-        own = isinstance(kind, Kronecker)
+        own = False
     return own and all(tensor.dtype == dtype for tensor in kind.tensors)
 
 
@@ -97,9 +101,14 @@ def _write_hadamard(
 ) -> torch.Tensor:
     weight, w0 = weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1)
     w1b, w2b = loha.w1b.reshape(loha.rank, -1), loha.w2b.reshape(loha.rank, -1)
-    rank = loha.rank
-    largest = (rank * _largest(loha.w1a) * _largest(w1b)) * (rank * _largest(loha.w2a) * _largest(w2b))
-    checked = may_overflow(w0_largest, largest, alpha, w0.dtype)
+    # |first| <= rank max|w1a| max|w1b|, likewise second: each product must fit the dtype too, not only theirs.
+    first_largest = loha.rank * _largest(loha.w1a) * _largest(w1b)
+    second_largest = loha.rank * _largest(loha.w2a) * _largest(w2b)
+    largest_value = torch.finfo(w0.dtype).max
+    checked = (
+        not (first_largest < largest_value and second_largest < largest_value)
+        or may_overflow(w0_largest, first_largest * second_largest, alpha, w0.dtype)
+    )
     columns = w0.shape[1]
     block_rows = max(1, LOHA_BLOCK_ELEMENTS // columns)
     finite = []
@@ -124,7 +133,9 @@ def _write_kronecker(
     if lokr.w2 is not None:
         w2 = lokr.w2
     elif lokr.t2 is not None:
-        w2 = torch.einsum("i j ..., i p, j r -> p r ...", lokr.t2, lokr.w2a, lokr.w2b)
+        # Two contractions: formed in float32 and rounded once (einsum's low-precision chain rounds in between).
+        w2 = torch.einsum("i j ..., i p, j r -> p r ...", *(t.float() for t in (lokr.t2, lokr.w2a, lokr.w2b)))
+        w2 = w2.to(w0.dtype)
     else:
         w2 = lokr.w2a @ lokr.w2b
     w2 = w2.reshape(w2.shape[0], -1)  # (b, d * window): a conv's window stays w2's, inside each of w1's columns
