@@ -2,6 +2,7 @@
 
     python -m benchmarks.fuse_costs                                   # shapes, tiny-flux, tiny-sdxl; 1 thread, eager
     python -m benchmarks.fuse_costs --models shapes --threads 2 --dtype bfloat16
+    python -m benchmarks.fuse_costs --device cuda --models tiny-flux,random-flux --dtype bfloat16   # on a GPU
 
 Per model, one runtime built as `loraswap serve` builds it (the swap slot at `--max-rank`, --fuse auto, the LoRA
 work counted at start-up, no warm-up, the denoiser eager or compiled with `--compile-backend`):
@@ -101,8 +102,10 @@ class Meter:
             fused.merge(((adapter, 1.0),))  # faults in the scratch memory: not timed
             fused.restore()
             for _ in range(self.rounds):
+                if self.runtime.loaded.device.type == "cuda":
+                    torch.cuda.synchronize(self.runtime.loaded.device)
                 started = time.perf_counter()
-                fused.merge(((adapter, 1.0),))
+                fused.merge(((adapter, 1.0),))  # reads its finiteness check back: the work is done
                 timed.append((time.perf_counter() - started) * 1000.0)
                 fused.restore()
         return min(timed)
@@ -116,7 +119,7 @@ def measure_model(model: str, args) -> dict:
         dict(compile=False) if args.compile_backend == "none" else dict(compile=True, compile_backend=args.compile_backend)
     )
     config = EngineConfig(
-        model=model, device="cpu", dtype=args.dtype, max_rank=args.max_rank, torch_threads=args.threads, fuse="auto",
+        model=model, device=args.device, dtype=args.dtype, max_rank=args.max_rank, torch_threads=args.threads, fuse="auto",
         warmup=args.compile_backend != "none", **compile_kwargs,
     )  # fmt: skip
     runtime = start_runtime(config)
@@ -146,6 +149,7 @@ def measure_model(model: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fuse_costs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated built-in models")
+    parser.add_argument("--device", default="cpu", help="the device the runtimes run on (its type's constants are compared)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (serve.py --fuse's servers: 1)")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default: the model's on the CPU)")
     parser.add_argument("--max-rank", type=int, default=64, help="the slot's max rank")
@@ -166,7 +170,9 @@ def main() -> None:
     layer_ns, byte_ns, merge_mac_ns = _least_squares(merge_rows, merge_targets)
     fitted = DeviceCosts(lora_call_ns=call_ns, lora_mac_ns=mac_ns, merge_layer_ns=layer_ns, merge_byte_ns=byte_ns,
                          merge_mac_ns=merge_mac_ns)  # fmt: skip
-    code = device_costs("cpu")
+    import torch
+
+    code = device_costs(torch.device(args.device).type)
     for m in models:
         work = LoraWork(**m["lora_work"])
         for row in m["lora"]:
@@ -177,7 +183,7 @@ def main() -> None:
             for label, costs in (("code", code), ("fitted", fitted)):
                 row[f"predicted_ms_{label}"] = merge_ms(costs, merge)
     print(json.dumps({
-        "benchmark": "fuse_costs", "threads": args.threads, "compile_backend": args.compile_backend,
+        "benchmark": "fuse_costs", "device": args.device, "threads": args.threads, "compile_backend": args.compile_backend,
         "models": models, "fitted": dataclasses.asdict(fitted), "code": dataclasses.asdict(code),
         "machine": machine_info(), "elapsed_s": time.perf_counter() - started,
     }))  # fmt: skip
