@@ -80,3 +80,13 @@ def test_auto_compiles_only_the_buckets_it_may_choose() -> None:
     assert warm_up_graphs("auto", True, (0, 16, 32, 64), ()) == (0,)
     assert warm_up_graphs("always", True, (0, 16, 32, 64), (16,)) == (0,)
     assert warm_up_graphs("auto", False, (0, 16, 32, 64), ()) == (0, 16, 32, 64)
+
+
+def test_a_request_whose_guidance_halves_the_batch_halves_the_rows_not_the_calls() -> None:
+    from loraswap.server.engine.families import FLUX, SDXL
+
+    half = WORK.at_batch(0.5)
+    assert (half.calls, half.macs_per_pixel, half.fixed_macs) == (WORK.calls, 50.0, 25_000.0)
+    assert unfused_ms(COSTS, half, 16, 1, 64 * 64) < unfused_ms(COSTS, WORK, 16, 1, 64 * 64)
+    assert (SDXL.guidance_batch(5.0), SDXL.guidance_batch(1.0), SDXL.guidance_batch(0.0)) == (2, 1, 1)
+    assert FLUX.guidance_batch(3.5) == FLUX.guidance_batch(1.0) == 1

@@ -81,6 +81,10 @@ class FamilyTraits:
         """The guidance settings (None: the default) a warm-up runs at each size so no later guidance compiles."""
         return (None,)
 
+    def guidance_batch(self, guidance: float) -> int:
+        """How many images the denoiser computes per step at this guidance scale (classifier-free guidance: 2)."""
+        return 1
+
     def spatial_latents(self, pipe, latents, height: int, width: int):
         """The pipeline's latents during denoising as (batch, channels, height / f, width / f) images."""
         return latents
@@ -165,6 +169,9 @@ class _SdxlTraits(FamilyTraits):
         # dimension torch specialises: each size needs both.
         guidance_on = defaults.guidance_scale if defaults.guidance_scale > 1.0 else WARM_UP_GUIDANCE
         return (guidance_on, 1.0)
+
+    def guidance_batch(self, guidance: float) -> int:
+        return 2 if guidance > 1.0 else 1  # diffusers' do_classifier_free_guidance
 
     def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
         from diffusers import StableDiffusionXLPipeline

@@ -13,8 +13,10 @@ the factors' products), and every step then costs what the base model's does. So
       merge_ms   = layers * merge_layer_ns + weight_bytes * merge_byte_ns + product_macs * merge_mac_ns
 
   - `calls`, `macs_per_pixel` and `fixed_macs` (`LoraWork`): what one step's LoRA branch does per rank over every
-    slot layer, sum of rows * (in + out), counted once at start-up (pipeline/lora_work.py) at two image sizes;
-    rows that grow with the image (its tokens) make the per-pixel part, the text's rows the fixed part;
+    slot layer, sum of rows * (in + out), counted once at start-up (pipeline/lora_work.py) at two image sizes and
+    the default guidance; rows that grow with the image (its tokens) make the per-pixel part, the text's rows the
+    fixed part; a request whose guidance changes the denoiser's batch (SDXL's classifier-free guidance on or off)
+    scales the rows by it;
   - `bucket`: the rank bucket the stack computes at unfused; `pixels`: the request's width * height;
   - `layers`, `weight_bytes`: the layers the merge touches and their base weights' bytes; `product_macs`: the
     merge's products, each touched weight's elements times the stack's rank there (LoHa: twice).
@@ -81,6 +83,11 @@ class LoraWork:
 
     def step_macs(self, bucket: int, pixels: int) -> float:
         return bucket * (self.macs_per_pixel * pixels + self.fixed_macs)
+
+    def at_batch(self, ratio: float) -> LoraWork:
+        """The work of a step whose denoiser batch is `ratio` times the counted one's (classifier-free guidance on
+        or off): as many calls, each over that many times the rows."""
+        return LoraWork(self.calls, self.macs_per_pixel * ratio, self.fixed_macs * ratio)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,10 @@ class DiffusionRuntime:
             return params.fuse is FuseChoice.FUSED
         bucket = self.unfused_bucket(stack)
         work = self.installed.lora_work
+        if work is not None:
+            traits = self.loaded.traits
+            batch = traits.guidance_batch(params.guidance_scale) / traits.guidance_batch(self.loaded.defaults.guidance_scale)
+            work = work.at_batch(batch)
         costs = device_costs(self.loaded.device.type)
         auto = self.config.fuse == "auto" and bucket is not None and work is not None
         return choose_fused(
