@@ -79,7 +79,9 @@ class Meter:
         )
         ends: list[float] = []
         with self.runtime.residency.computing_at(bucket), self.runner.session():
-            self.runner.run(params, on_step=lambda progress: ends.append(progress.elapsed_ms), is_cancelled=lambda: False)
+            self.runner.run(
+                params, on_step=lambda progress: ends.append(progress.elapsed_ms), is_cancelled=lambda: False
+            )
         gaps = [later - earlier for earlier, later in itertools.pairwise(ends)]
         return statistics.median(gaps) if gaps else ends[-1]
 
@@ -116,7 +118,9 @@ def measure_model(model: str, args) -> dict:
     from loraswap.server.engine.pipeline.startup import start_runtime
 
     compile_kwargs = (
-        dict(compile=False) if args.compile_backend == "none" else dict(compile=True, compile_backend=args.compile_backend)
+        dict(compile=False)
+        if args.compile_backend == "none"
+        else dict(compile=True, compile_backend=args.compile_backend)
     )
     config = EngineConfig(
         model=model, device=args.device, dtype=args.dtype, max_rank=args.max_rank, torch_threads=args.threads, fuse="auto",
@@ -149,7 +153,9 @@ def measure_model(model: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fuse_costs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated built-in models")
-    parser.add_argument("--device", default="cpu", help="the device the runtimes run on (its type's constants are compared)")
+    parser.add_argument(
+        "--device", default="cpu", help="the device the runtimes run on (its type's constants are compared)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (serve.py --fuse's servers: 1)")
     parser.add_argument("--dtype", default=None, help="weights' dtype (default: the model's on the CPU)")
     parser.add_argument("--max-rank", type=int, default=64, help="the slot's max rank")

@@ -146,7 +146,9 @@ def buckets_auto_may_choose(
     )
 
 
-def warm_up_graphs(policy: str, fusing: bool, graph_buckets: tuple[int, ...], auto_buckets: tuple[int, ...]) -> tuple[int, ...]:
+def warm_up_graphs(
+    policy: str, fusing: bool, graph_buckets: tuple[int, ...], auto_buckets: tuple[int, ...]
+) -> tuple[int, ...]:
     """The graphs (rank buckets, the base model's 0 first) the warm-up compiles.
 
     Not fusing, every bucket: swaps are copies into the slot. `always`: the base model's only, since every

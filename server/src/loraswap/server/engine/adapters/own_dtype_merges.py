@@ -105,9 +105,8 @@ def _write_hadamard(
     first_largest = loha.rank * _largest(loha.w1a) * _largest(w1b)
     second_largest = loha.rank * _largest(loha.w2a) * _largest(w2b)
     largest_value = torch.finfo(w0.dtype).max
-    checked = (
-        not (first_largest < largest_value and second_largest < largest_value)
-        or may_overflow(w0_largest, first_largest * second_largest, alpha, w0.dtype)
+    checked = not (first_largest < largest_value and second_largest < largest_value) or may_overflow(
+        w0_largest, first_largest * second_largest, alpha, w0.dtype
     )
     columns = w0.shape[1]
     block_rows = max(1, LOHA_BLOCK_ELEMENTS // columns)
@@ -145,4 +144,3 @@ def _write_kronecker(
     if may_overflow(w0_largest, _largest(w1) * _largest(w2), alpha, w0.dtype):
         return all_finite(weight)
     return torch.ones((), dtype=torch.bool)
-
