@@ -312,6 +312,12 @@ class DiffusionEngine:
             warnings += tuple(prefix + warning for warning in adapter.warnings)
         if len(stack) > 1 and not self.config.fuses:  # a fused stack is not bounded by the slot's width
             check_stack_fits((adapter for adapter, _ in stack), self.config.max_rank)
+        if len(stack) > 1:
+            # The members' content keys order the stack (residency.stack_order): digests of torch tensors, made on
+            # a loader thread (once per adapter) rather than on the event loop that queues the job.
+            await asyncio.get_running_loop().run_in_executor(
+                self._loader_pool, lambda: [adapter.content_key for adapter, _ in stack]
+            )
         for applied in params.adapters:
             self._cache.record_use(applied.adapter)
         return tuple(stack), load_ms, warnings

@@ -276,7 +276,7 @@ class FusedWeights:
         one_product = self._one_product(key, members, w0)
         if one_product is not None:
             b, a, alpha = one_product
-            finite = write_lora(layer.weight, w0, b, a, alpha, self.pristine.largest(key))
+            finite = write_lora(layer.weight, w0, b, a, alpha, self.pristine.largest(key), CPU_SCRATCH_ELEMENTS)
             return self._merge_bias(key, layer, [], finite)
         own = self._own_dtype_change(key, members, w0)
         if own is not None:

@@ -24,10 +24,9 @@ from loraswap.server.engine.adapters.weight_changes import Hadamard, Kronecker, 
 
 # Weight dtypes these merges write (float16 products could overflow where the reference's float32 would not).
 OWN_DTYPES = (torch.bfloat16, torch.float32)
-# A checked one-addmm merge, or a LoHa's, goes a block of rows at a time: this many elements (2 MiB of float32)
-# per block for the LoRA; each of LoHa's two products takes a scratch of LOHA_BLOCK_ELEMENTS (on SDXL's shapes
-# 4 MiB of bfloat16 per product is the fastest: smaller blocks pay per-call overhead, larger ones leave the cache).
-CHECK_BLOCK_ELEMENTS = 1 << 19
+# A LoHa's merge goes a block of rows at a time, each of its two products in a scratch of this many elements (on
+# SDXL's shapes 4 MiB of bfloat16 per product is the fastest: smaller blocks pay per-call overhead, larger ones
+# leave the cache).
 LOHA_BLOCK_ELEMENTS = 1 << 21
 
 
@@ -48,16 +47,23 @@ def may_overflow(w0_largest: float, change_largest: float, alpha: float, dtype: 
 
 
 def write_lora(
-    weight: torch.Tensor, w0: torch.Tensor, b: torch.Tensor, a: torch.Tensor, alpha: float, w0_largest: float
+    weight: torch.Tensor,
+    w0: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    alpha: float,
+    w0_largest: float,
+    block_elements: int,
 ) -> torch.Tensor:
     """weight = W0 + alpha * B A as one torch.addmm into the weight: the exact merge with no float32 scratch, what
-    floor_fuse times. Returns whether the result is finite (a device tensor)."""
+    floor_fuse times; where it may overflow, `block_elements` at a time, each block checked while in cache. Returns
+    whether the result is finite (a device tensor)."""
     weight, w0 = weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1)  # a conv's window flattened
     # |B A| <= rank max|B| max|A|.
     if not may_overflow(w0_largest, a.shape[0] * _largest(b) * _largest(a), alpha, w0.dtype):
         torch.addmm(w0, b, a, alpha=alpha, out=weight)
         return torch.ones((), dtype=torch.bool)
-    block_rows = max(1, CHECK_BLOCK_ELEMENTS // w0.shape[1])
+    block_rows = max(1, block_elements // w0.shape[1])
     finite = []
     for start in range(0, w0.shape[0], block_rows):
         stop = min(w0.shape[0], start + block_rows)

@@ -65,16 +65,23 @@ def check_stack_fits(adapters: Iterable[CanonicalAdapter], max_rank: int) -> Non
     _refuse_over_max_rank(layer_ranks(adapters), max_rank)
 
 
-def slot_can_hold(adapters: Iterable[CanonicalAdapter], max_rank: int) -> bool:
-    """Whether the swap slot can hold these adapters together: plain LoRAs of its layers (no DoRA, trained bias,
-    other kind or layer) whose ranks add up to at most max_rank on every layer. Safe on any thread."""
+def held_rank(adapters: Iterable[CanonicalAdapter], max_rank: int) -> int | None:
+    """The summed rank on the fullest layer when the swap slot can hold these adapters together (plain LoRAs of its
+    layers, no DoRA, trained bias, other kind or layer, ranks adding up to at most max_rank on every layer); None
+    when it cannot. Safe on any thread."""
     adapters = list(adapters)
     if any(not adapter.fits_slot for adapter in adapters) or any(
         layer.magnitude is not None or layer.bias is not None for a in adapters for layer in a.layers.values()
     ):
-        return False
+        return None
     worst = fullest_layer(layer_ranks(adapters))
-    return worst is None or worst[1] <= max_rank
+    rank = worst[1] if worst is not None else 0
+    return rank if rank <= max_rank else None
+
+
+def slot_can_hold(adapters: Iterable[CanonicalAdapter], max_rank: int) -> bool:
+    """Whether the swap slot can hold these adapters together (held_rank)."""
+    return held_rank(adapters, max_rank) is not None
 
 
 def _refuse_over_max_rank(ranks: dict[str, int], max_rank: int) -> None:
@@ -201,11 +208,8 @@ class SwapPlanner:
     def unfused_bucket(self, members: Iterable[StackMember]) -> int | None:
         """The bucket the slot would compute these adapters at unfused; None when the slot cannot hold them (an
         adapter that only fuses, or summed ranks above max rank)."""
-        adapters = [adapter for adapter, _ in members]
-        if not slot_can_hold(adapters, self.max_rank):
-            return None
-        worst = fullest_layer(layer_ranks(adapters))
-        return bucket_for(worst[1] if worst is not None else 0, self.rank_buckets)
+        rank = held_rank((adapter for adapter, _ in members), self.max_rank)
+        return bucket_for(rank, self.rank_buckets) if rank is not None else None
 
     def copy_for(self, members: tuple[StackMember, ...]) -> StackCopy:
         """The copies that make `members` (in stack_order; none: the base model) resident.

@@ -24,16 +24,27 @@ from loraswap.server.engine.types import GenerationRequest
 COUNT_PROMPT = "a counted step"
 
 
+def work_at_guidance(loaded: LoadedModel, work: LoraWork, guidance: float) -> LoraWork:
+    """`work` (counted at the default guidance) for a request at `guidance`: its rows scaled by the denoiser's batch
+    there over the counted one's (SDXL's classifier-free guidance on or off)."""
+    traits = loaded.traits
+    return work.at_batch(traits.guidance_batch(guidance) / traits.guidance_batch(loaded.defaults.guidance_scale))
+
+
+# The guidance whose denoiser batch is the smallest (no classifier-free guidance): the cheapest unfused step.
+SMALLEST_BATCH_GUIDANCE = 0.0
+
+
 def count_lora_work(loaded: LoadedModel, base_layers: dict[str, torch.nn.Module]) -> LoraWork:
     """The LoRA branch's work per step and rank over `base_layers` (the slot layers' base linears)."""
     rules = loaded.request_rules
     small = rules.min_size
     wide = 2 * small if 2 * small <= rules.max_size else small
     calls, small_macs = _counted(loaded, base_layers, small, small)
-    _, wide_macs = _counted(loaded, base_layers, wide, small)
     small_pixels, wide_pixels = small * small, wide * small
-    if wide_pixels == small_pixels:
+    if wide_pixels == small_pixels:  # a single allowed size: every row counted as the image's
         return LoraWork(calls=calls, macs_per_pixel=small_macs / small_pixels, fixed_macs=0.0)
+    _, wide_macs = _counted(loaded, base_layers, wide, small)
     per_pixel = (wide_macs - small_macs) / (wide_pixels - small_pixels)
     return LoraWork(calls=calls, macs_per_pixel=per_pixel, fixed_macs=max(0.0, small_macs - per_pixel * small_pixels))
 

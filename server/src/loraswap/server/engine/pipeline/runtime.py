@@ -17,6 +17,7 @@ from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
 from loraswap.server.engine.fuse_policy import choose_fused, device_costs, merge_ms, unfused_ms
 from loraswap.server.engine.pipeline.cpu_threads import FixedThreads
+from loraswap.server.engine.pipeline.lora_work import work_at_guidance
 from loraswap.server.engine.pipeline.records import (
     CompiledDenoiser,
     InstalledSlot,
@@ -114,9 +115,7 @@ class DiffusionRuntime:
         bucket = self.unfused_bucket(stack)
         work = self.installed.lora_work
         if work is not None:
-            traits = self.loaded.traits
-            batch = traits.guidance_batch(params.guidance_scale) / traits.guidance_batch(self.loaded.defaults.guidance_scale)
-            work = work.at_batch(batch)
+            work = work_at_guidance(self.loaded, work, params.guidance_scale)
         costs = device_costs(self.loaded.device.type)
         auto = self.config.fuse == "auto" and bucket is not None and work is not None
         return choose_fused(

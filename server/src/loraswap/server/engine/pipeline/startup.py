@@ -40,7 +40,7 @@ from loraswap.server.engine.pipeline.attention import apply_attention, resolve_a
 from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, compile_counting
 from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
-from loraswap.server.engine.pipeline.lora_work import count_lora_work
+from loraswap.server.engine.pipeline.lora_work import SMALLEST_BATCH_GUIDANCE, count_lora_work, work_at_guidance
 from loraswap.server.engine.pipeline.preflight import preflight
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
 from loraswap.server.engine.pipeline.quantization import quantize_denoiser, weight_bytes
@@ -298,10 +298,8 @@ def warm_up(
     Raises StartupStopped at the first pass or step after `stop` is requested."""
     stop = stop or StartupStop()
     slot = installed.residency.slot
-    if not config.warmup or not compiled.compiled:
-        unfused = frozenset(slot.rank_buckets)
     if not config.warmup:
-        return WarmedUp(unfused, compiled.graphs_compiled)
+        return WarmedUp(frozenset(slot.rank_buckets), compiled.graphs_compiled)
     runner = PipelineRunner(loaded, compiled)
     traits = loaded.traits
     requests = warm_up_requests(
@@ -311,8 +309,7 @@ def warm_up(
     with compile_cache_scope(_compile_cache_folder(config, loaded, installed, compiled)):
         for bucket in warm_up_buckets(graphs, compiled.compiled):
             _run_at(loaded, runner, installed.residency, bucket, requests=requests, stop=stop)
-    if compiled.compiled:
-        unfused = frozenset(graphs) - {0}
+    unfused = frozenset(graphs) - {0} if compiled.compiled else frozenset(slot.rank_buckets)
     return WarmedUp(unfused, compiled.graphs_compiled)
 
 
@@ -335,11 +332,12 @@ def _log_auto_rule(loaded: LoadedModel, installed: InstalledSlot) -> None:
 
 
 def auto_buckets(loaded: LoadedModel, installed: InstalledSlot) -> tuple[int, ...]:
-    """The rank buckets --fuse auto may run a stack at unfused (fuse_policy.buckets_auto_may_choose); () when the
-    server does not run auto."""
-    work = installed.lora_work
-    if work is None:
+    """The rank buckets --fuse auto may run a stack at unfused (fuse_policy.buckets_auto_may_choose, with the
+    cheapest step a request can ask for: the smallest image, the smallest batch); () when the server does not run
+    auto."""
+    if installed.lora_work is None:
         return ()
+    work = work_at_guidance(loaded, installed.lora_work, SMALLEST_BATCH_GUIDANCE)
     fused = installed.residency.fused_weights
     buckets = installed.residency.slot.rank_buckets
     return buckets_auto_may_choose(
