@@ -74,7 +74,7 @@ class ScriptedEngine:
         async for event in self.script(request):
             yield event
 
-    async def preload(self, name: str) -> PreloadResult:
+    async def preload(self, name: str, link: str | None = None) -> PreloadResult:
         raise AdapterNotFoundError(f"the scripted engine has no adapter {name!r}")
 
     def evict(self, name: str) -> int:

@@ -25,6 +25,10 @@ EXPECTED_CODES = {
     engine_errors.AdapterPinnedError: grpc.StatusCode.FAILED_PRECONDITION,
     engine_errors.AdapterTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     engine_errors.HubDisabledError: grpc.StatusCode.FAILED_PRECONDITION,
+    engine_errors.UrlRefusedError: grpc.StatusCode.PERMISSION_DENIED,
+    engine_errors.UrlFetchError: grpc.StatusCode.FAILED_PRECONDITION,
+    engine_errors.UrlMissingError: grpc.StatusCode.NOT_FOUND,
+    engine_errors.UrlUnavailableError: grpc.StatusCode.UNAVAILABLE,
     engine_errors.QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     engine_errors.NotServingError: grpc.StatusCode.UNAVAILABLE,
     engine_errors.GenerationCancelledError: grpc.StatusCode.CANCELLED,
@@ -46,6 +50,10 @@ EXPECTED_REASONS = {
     engine_errors.FuseChoiceError: "FUSE_CHOICE_UNAVAILABLE",
     engine_errors.AdapterTooLargeError: "ADAPTER_TOO_LARGE",
     engine_errors.HubDisabledError: "HUB_DISABLED",
+    engine_errors.UrlRefusedError: "URL_HOST_NOT_ALLOWED",
+    engine_errors.UrlFetchError: "URL_HTTP_ERROR",
+    engine_errors.UrlMissingError: "URL_NOT_FOUND",
+    engine_errors.UrlUnavailableError: "URL_CONNECT_FAILED",
     engine_errors.QueueFullError: "QUEUE_FULL",
     engine_errors.NotServingError: "NOT_SERVING",
     engine_errors.GenerationCancelledError: "CANCELLED",
@@ -163,6 +171,14 @@ RETRY_CASES = [
     (engine_errors.AdapterNotFoundError("no such adapter"), None),
     (engine_errors.InvalidRequestError("bad width", field="width"), None),
     (access.TokenMissingError("send a token"), None),
+    # A URL's server said when to come back (Retry-After): that, and only then.
+    (
+        engine_errors.UrlUnavailableError(
+            "429", reason=engine_errors.ErrorReason.URL_RATE_LIMITED, retry_after_s="7"
+        ),
+        7.0,
+    ),
+    (engine_errors.UrlUnavailableError("503", reason=engine_errors.ErrorReason.URL_SERVER_ERROR), None),
 ]
 
 

@@ -35,7 +35,7 @@ class RaisingEngine:
             yield StepProgress(step=step, total_steps=10, elapsed_ms=float(step))
         raise self.error
 
-    async def preload(self, name: str):
+    async def preload(self, name: str, link: str | None = None):
         raise self.error
 
     def evict(self, name: str) -> int:

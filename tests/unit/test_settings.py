@@ -71,7 +71,23 @@ OPTIONS = [
     ("--log-format", "LORASWAP_LOG_FORMAT", "json", Settings(engine=_engine(), log_format="json")),
     ("--otlp-endpoint", "LORASWAP_OTLP_ENDPOINT", "http://collector:4317",
      Settings(engine=_engine(), otlp_endpoint="http://collector:4317")),
+    ("--allow-url-host", "LORASWAP_ALLOW_URL_HOST", "*.S3.amazonaws.com",
+     Settings(engine=_engine(allow_url_host=("*.s3.amazonaws.com",)))),
+    ("--allow-insecure-url-host", "LORASWAP_ALLOW_INSECURE_URL_HOST", "127.0.0.1",
+     Settings(engine=_engine(allow_insecure_url_host=("127.0.0.1",)))),
+    ("--url-ca-file", "LORASWAP_URL_CA_FILE", "/etc/ssl/private-ca.pem",
+     Settings(engine=_engine(url_ca_file=Path("/etc/ssl/private-ca.pem")))),
+    ("--adapter-cache-dir", "LORASWAP_ADAPTER_CACHE_DIR", "/var/cache/adapters",
+     Settings(engine=_engine(adapter_cache_dir=Path("/var/cache/adapters")))),
+    ("--adapter-cache-dir-bytes", "LORASWAP_ADAPTER_CACHE_DIR_BYTES", "5000",
+     Settings(engine=_engine(adapter_cache_dir_bytes=5000))),
+    ("--url-timeout-seconds", "LORASWAP_URL_TIMEOUT_SECONDS", "2.5", Settings(engine=_engine(url_timeout_seconds=2.5))),
+    ("--url-deadline-seconds", "LORASWAP_URL_DEADLINE_SECONDS", "60",
+     Settings(engine=_engine(url_deadline_seconds=60.0))),
 ]  # fmt: skip
+
+# Flags whose values must name something real; tested on their own below.
+OWN_TESTS = {"--url-token-file"}
 
 # --no-compile is --compile none (tests/unit/test_compile_options.py has every form of --compile)
 ALIASES = {"--no-compile"}
@@ -80,6 +96,7 @@ ALIASES = {"--no-compile"}
 SWITCHES = [
     ("allow-hub", "LORASWAP_ALLOW_HUB", "allow_hub"),
     ("strict-adapters", "LORASWAP_STRICT_ADAPTERS", "strict_adapters"),
+    ("allow-url-private-addresses", "LORASWAP_ALLOW_URL_PRIVATE_ADDRESSES", "allow_url_private_addresses"),
     ("log-prompts", "LORASWAP_LOG_PROMPTS", "log_prompts"),  # a Settings field, not an EngineConfig one
 ]
 
@@ -117,6 +134,7 @@ def test_every_flag_is_covered_here() -> None:
         | {f"--{name}" for name, *_ in SWITCHES}
         | {f"--no-{name}" for name, *_ in SWITCHES}
         | ALIASES
+        | OWN_TESTS
         | {flag for argv, *_ in TLS_COMBINATIONS for flag in argv if flag.startswith("--")}
     )
     assert flags == covered
@@ -271,3 +289,38 @@ def test_fuse_defaults_to_auto_and_is_one_of_three() -> None:
     assert _settings([]).engine.fuse == "auto"
     with pytest.raises(SystemExit):
         _settings(["--fuse", "sometimes"])
+
+
+def test_a_repeatable_flag_collects_its_values_and_replaces_the_variables() -> None:
+    environ = {"LORASWAP_ALLOW_URL_HOST": "huggingface.co, *.r2.dev"}
+    assert _settings([], environ).engine.allow_url_host == ("huggingface.co", "*.r2.dev")
+    flags = ["--allow-url-host", "a.example.com", "--allow-url-host", "*.B.example.com"]
+    assert _settings(flags, environ).engine.allow_url_host == ("a.example.com", "*.b.example.com")
+
+
+@pytest.mark.parametrize("host", ["https://example.com", "example.com/path", "example.com:443", "*", "a.*.com", ""])
+def test_a_url_host_is_a_bare_name_domain_or_address(host: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _settings(["--allow-url-host", host])
+    assert "--allow-url-host" in capsys.readouterr().err
+
+
+def test_the_url_token_file_is_read_at_start_and_never_quoted(tmp_path, monkeypatch) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# model sites\nhuggingface.co hf_secret\n*.example.com env:EXAMPLE_TOKEN\n")
+    monkeypatch.setenv("EXAMPLE_TOKEN", "from-the-environment")
+    settings = _settings(["--url-token-file", str(tokens)])
+    assert settings.engine.url_token_file == tokens
+    from loraswap.server.engine.adapters.url_policy import read_token_file
+
+    assert read_token_file(tokens) == {"huggingface.co": "hf_secret", "*.example.com": "from-the-environment"}
+    monkeypatch.delenv("EXAMPLE_TOKEN")
+    with pytest.raises(SettingsError, match="EXAMPLE_TOKEN") as refused:
+        _settings(["--url-token-file", str(tokens)])
+    assert "hf_secret" not in str(refused.value)
+    tokens.write_text("huggingface.co hf_secret extra\n")
+    with pytest.raises(SettingsError, match=":1: expected") as refused:
+        _settings(["--url-token-file", str(tokens)])
+    assert "hf_secret" not in str(refused.value)
+    with pytest.raises(SettingsError, match="--url-token-file"):
+        _settings(["--url-token-file", str(tmp_path / "missing")])

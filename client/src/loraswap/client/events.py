@@ -43,11 +43,14 @@ class Queued:
     """The request is waiting; ``position`` 1 means it runs next.
 
     ``loading_adapter`` is true while the server is still fetching, reading or converting the request's adapter
-    (``position`` is 0 then): "loading adapter", not "waiting for the pipeline".
+    (``position`` is 0 then): "loading adapter", not "waiting for the pipeline". While URL adapters download,
+    ``downloaded_bytes`` of ``download_total_bytes`` have come (0: the server did not announce a total).
     """
 
     position: int
     loading_adapter: bool = False
+    downloaded_bytes: int = 0
+    download_total_bytes: int = 0
 
     @classmethod
     def from_pb(cls, message: pb.Queued) -> Queued:
@@ -241,10 +244,12 @@ class AdapterInfo:
 
 @dataclass(frozen=True, slots=True)
 class PreloadResult:
-    """The outcome of ``preload_adapter``."""
+    """The outcome of ``preload_adapter``; for a URL adapter, what its download took (0 when it was on disk)."""
 
     adapter: AdapterInfo
     already_cached: bool
+    download_ms: float = 0.0
+    download_bytes: int = 0
 
     @classmethod
     def from_pb(cls, message: pb.PreloadAdapterResponse) -> PreloadResult:

@@ -177,16 +177,38 @@ def _help_with_default(help_text: str, value: object, env_name: str, from_env: b
     return f"{help_text} [env {env_name}]".replace("%", "%%")
 
 
+def _each(parse):
+    """A repeatable setting's variable: comma-separated values, each read by `parse`."""
+
+    def parse_each(text: str) -> tuple:
+        return tuple(parse(item.strip()) for item in text.split(",") if item.strip())
+
+    return parse_each
+
+
+class _Repeated(argparse.Action):
+    """A repeatable flag: its values in order, as a tuple; given at all, the flags replace the variable's values."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest)
+        start = () if current is self.default else tuple(current)
+        setattr(namespace, self.dest, start + (values,))
+
+
 def _add_setting(parser: argparse.ArgumentParser, name: str, default: object, spec: SettingSpec, env) -> None:
     """One setting's flag (and its --no- twin), its default taken from its LORASWAP_* variable when set."""
     env_name = _env_name(name)
     env_value = env.get(env_name)
-    parse = _bool_env if spec.switch else spec.parse
+    parse = _bool_env if spec.switch else _each(spec.parse) if spec.repeatable else spec.parse
     value = default if env_value is None else _from_env(env_name, env_value, parse, spec.choices)
     help_text = _help_with_default(spec.help, value, env_name, env_value is not None)
     flag = _flag(name)
     if spec.switch:
         parser.add_argument(flag, default=value, action=argparse.BooleanOptionalAction, help=help_text)
+        return
+    if spec.repeatable:
+        options = dict(default=value, type=_flag_type(spec.parse), help=help_text, action=_Repeated)
+        parser.add_argument(flag, metavar=spec.metavar, **options)
         return
     options: dict = dict(default=value, type=_flag_type(spec.parse), help=help_text)
     if spec.choices is not None:

@@ -62,6 +62,8 @@ class SettingSpec:
     const: object = None  # the value of the flag given alone (a flag that takes an optional value)
     # A flag --no-name that sets this value (for a flag that is not a switch), with its help line.
     negated: tuple[object, str] | None = None
+    # A flag given once per value (`parse` reads one), the values a tuple; its variable holds them comma-separated.
+    repeatable: bool = False
 
 
 def setting(default: object, help: str, **spec: object) -> Field:
@@ -89,6 +91,28 @@ def optional_path(text: str) -> Path | None:
 def names(text: str) -> tuple[str, ...]:
     """`a, b,,c` -> ("a", "b", "c")."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def url_host(text: str) -> str:
+    """One --allow-url-host value: a host name, `*.domain` or IP address, lower case."""
+    from loraswap.server.engine.adapters.url_policy import check_host_rule
+
+    return check_host_rule(text)
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def default_download_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/loraswap/adapters, else ~/.cache/loraswap/adapters."""
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "loraswap" / "adapters"
 
 
 def optional_names(text: str) -> tuple[str, ...] | None:
@@ -190,6 +214,59 @@ class EngineConfig:
         metavar="BACKEND",
     )
     allow_hub: bool = setting(False, "let adapter names fall back to Hugging Face Hub repo ids", switch=True)
+    # Adapters from URLs (adapters/url_policy.py, url_fetch.py, download_cache.py).
+    allow_url_host: tuple[str, ...] = setting(
+        (),
+        "a host adapter names may be https:// URLs on (repeat the flag for more; *.example.com: its subdomains; "
+        "the variable: comma-separated); none: no URL is fetched",
+        parse=url_host,
+        metavar="HOST",
+        repeatable=True,
+    )
+    allow_insecure_url_host: tuple[str, ...] = setting(
+        (),
+        "a host adapter URLs may also reach over plain http:// (test servers only; repeatable)",
+        parse=url_host,
+        metavar="HOST",
+        repeatable=True,
+    )
+    allow_url_private_addresses: bool = setting(
+        False,
+        "let URL host names resolve to loopback, private and link-local addresses (refused by default; an IP "
+        "address named in --allow-url-host is always connected to as named)",
+        switch=True,
+    )
+    url_token_file: Path | None = setting(
+        None,
+        "bearer tokens for URL hosts: lines `HOST TOKEN` or `HOST env:VARIABLE`; each goes to its own host only, "
+        "never logged",
+        parse=optional_path,
+        metavar="FILE",
+    )
+    url_ca_file: Path | None = setting(
+        None,
+        "PEM CA certificates that URL hosts' TLS certificates are verified against (default: the system's)",
+        parse=optional_path,
+        metavar="FILE",
+    )
+    adapter_cache_dir: Path | None = setting(
+        None,
+        "where downloaded URL adapters are kept, by the SHA-256 of their bytes, across restarts (default: "
+        "$XDG_CACHE_HOME/loraswap/adapters or ~/.cache/loraswap/adapters)",
+        parse=optional_path,
+        metavar="DIR",
+    )
+    adapter_cache_dir_bytes: int = setting(
+        0,
+        "byte budget of --adapter-cache-dir: the least recently used files go to make room; 0: the disk's room",
+        parse=int,
+    )
+    url_timeout_seconds: float = setting(
+        30.0, "seconds a URL host may take to connect, and to send each piece of a download", parse=positive_seconds
+    )
+    url_deadline_seconds: float = setting(
+        600.0, "seconds a URL adapter's whole download may take", parse=positive_seconds
+    )
     # Bases accepted beside the served one, for adapters that declare theirs (adapters/base_model.py).
     allow_base: tuple[str, ...] = setting(
         (),
@@ -284,6 +361,23 @@ class EngineConfig:
                 "for no adapters kept on the device"
             )
         check_setting(resolve_rank_buckets, self.rank_buckets, self.max_rank)
+        if self.adapter_cache_dir_bytes < 0:
+            raise SettingsError(
+                f"--adapter-cache-dir-bytes {self.adapter_cache_dir_bytes} is negative; give a byte budget, or 0 for "
+                "the disk's room"
+            )
+        if self.url_token_file is not None:
+            from loraswap.server.engine.adapters.url_policy import read_token_file
+
+            try:
+                read_token_file(self.url_token_file)
+            except (OSError, ValueError) as error:
+                raise SettingsError(f"--url-token-file: {error}") from None
+
+    @property
+    def download_cache_dir(self) -> Path:
+        """--adapter-cache-dir, or its default."""
+        return self.adapter_cache_dir or default_download_cache_dir()
 
     @property
     def fuses(self) -> bool:

@@ -25,6 +25,7 @@ from loraswap.server.engine.adapters.sources import (
     check_name,
 )
 from loraswap.server.engine.adapters.swap_plan import check_stack_fits, slot_can_hold
+from loraswap.server.engine.adapters.url_names import is_url_name, public_name
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import (
     EngineError,
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 # Adapter loads that may run at once, so that a slow or huge one does not hold up the others. Each holds its file
 # (at most --max-adapter-bytes) in memory a few times over while it decodes it: this also bounds what cold loads take.
 ADAPTER_LOAD_THREADS = 4
+# How often a Generate waiting on a URL adapter's download reports its bytes (a Queued event when they changed).
+DOWNLOAD_PROGRESS_EVERY_S = 0.5
 
 
 class DiffusionEngine:
@@ -72,6 +75,7 @@ class DiffusionEngine:
         self._sources = sources or AdapterSources(
             LocalAdapterDirectory(config.adapter_dir or _shipped_adapter_dir(config.model), config.max_adapter_bytes),
             HubAdapterSource(config.allow_hub, config.max_adapter_bytes),
+            url_adapter_source(config, observer),
         )
         # Adapters declaring another base are refused before their tensors are read.
         self._base_models = BaseModelPolicy(served_base_model(config.model), config.allow_base)
@@ -82,6 +86,7 @@ class DiffusionEngine:
         )
         self._runtime: DiffusionRuntime | None = None
         self._slot_spec: SlotSpec | None = None
+        self._configured_links: dict[str, str] = {}  # --pin/--preload URLs: identity -> link
 
     # -- life cycle ---------------------------------------------------------------------------------
 
@@ -107,15 +112,22 @@ class DiffusionEngine:
         A server that was told to have these adapters ready must not turn SERVING without them: an unusable name,
         pins beyond the cache budget, or preloads that push each other out raise StartupError (one line).
         """
-        names = tuple(dict.fromkeys(self.config.pin + self.config.preload))
-        for name in self.config.pin:
+        try:
+            # URL adapters by their identities (a link's query is a secret: never in a log line or the cache).
+            pins = tuple(self._public(name) for name in self.config.pin)
+            names = tuple(dict.fromkeys(pins + tuple(self._public(name) for name in self.config.preload)))
+        except EngineError as error:
+            await self.stop(timeout=5.0)
+            raise StartupError(f"--pin/--preload: {error.message}") from error
+        for name in pins:
             self._cache.pin(name)
         try:
             for name in names:
                 self._scheduler.startup_stop.check()
-                flag = "--pin" if name in self.config.pin else "--preload"
+                flag = "--pin" if name in pins else "--preload"
                 try:
-                    check_name(name)
+                    self._sources.check(name)
+                    self._note_links(self._configured_links)
                     entry, load_ms = await self._cached(name)
                 except EngineError as error:
                     raise StartupError(f"{flag} {shorten(name)!r}: {error.message}") from error
@@ -131,6 +143,17 @@ class DiffusionEngine:
         except StartupError:
             await self.stop(timeout=5.0)
             raise
+
+    def _public(self, name: str) -> str:
+        """A configured adapter's public name; a URL's link is kept for the fetcher (`_configured_links`)."""
+        identity = public_name(name)
+        if is_url_name(name):
+            self._configured_links[identity] = name
+        return identity
+
+    def _note_links(self, links) -> None:
+        for identity, link in links.items():
+            self._sources.note_link(identity, link)
 
     @property
     def sources(self) -> AdapterSources:
@@ -207,11 +230,17 @@ class DiffusionEngine:
         runtime = self._require_runtime()
         rules = runtime.request_rules
         params = rules.resolve(request)
-        loads = self._start_loads(params)
+        loads = self._start_loads(params, request.adapter_links)
         if not all(future.done() for future, _ in loads):
             # The first event comes at once, not when a slow read, conversion or download is over.
             yield Queued(position=0, loading_adapter=True)
-        stack, load_ms, warnings = await self._stack(params, loads)
+        stacking = asyncio.ensure_future(self._stack(params, loads))
+        try:
+            async for event in self._download_progress(params, stacking):
+                yield event
+            stack, load_ms, warnings = await stacking
+        finally:
+            stacking.cancel()
         self._check_fuse_choice(params, stack)
         warnings += rules.warnings(params)
 
@@ -273,14 +302,33 @@ class DiffusionEngine:
                 fuse="FUSE_CHOICE_UNFUSED",
             )
 
-    def _start_loads(self, params: GenerationParams) -> list[tuple[Future, bool]]:
+    def _start_loads(self, params: GenerationParams, links) -> list[tuple[Future, bool]]:
         """For each of the request's adapters, its cache entry's future and whether it was cached; loads start now.
 
-        Names are checked first, so that a malformed one is refused before anything says "loading".
+        Names are checked first (a URL against the hosts this server may fetch from), so that a malformed or
+        refused one is refused before anything says "loading". `links`: the full URLs of URL adapters.
         """
         for applied in params.adapters:
-            check_name(applied.adapter)
+            self._sources.check(applied.adapter)
+        self._note_links(links)
         return [self._cache.get_or_load(applied.adapter) for applied in params.adapters]
+
+    async def _download_progress(self, params: GenerationParams, stacking: asyncio.Future) -> AsyncIterator[Queued]:
+        """Queued events with the bytes of the request's URL downloads, each time they changed, until the stack is
+        loaded."""
+        urls = [applied.adapter for applied in params.adapters if is_url_name(applied.adapter)]
+        last = None
+        while urls:
+            done, _ = await asyncio.wait((stacking,), timeout=DOWNLOAD_PROGRESS_EVERY_S)
+            if done:
+                return
+            downloads = [progress for progress in map(self._sources.download_progress, urls) if progress is not None]
+            if not downloads:
+                continue
+            now = (sum(download.done for download in downloads), sum(download.total for download in downloads))
+            if now != last:
+                last = now
+                yield Queued(position=0, loading_adapter=True, downloaded_bytes=now[0], download_total_bytes=now[1])
 
     async def _stack(
         self, params: GenerationParams, loads: list[tuple[Future, bool]]
@@ -328,16 +376,28 @@ class DiffusionEngine:
         """Resolve, read, convert and validate; runs on the loader thread."""
         if self._slot_spec is None:
             raise NotServingError("the server is still starting; retry")
-        return load_canonical(self._sources.resolve(name), self._slot_spec, self._base_models)
+        found = self._sources.resolve(name)
+        with self._sources.holding(found):  # a downloaded file that is no usable adapter does not stay on disk
+            return load_canonical(found, self._slot_spec, self._base_models)
 
     async def _cached(self, name: str) -> tuple[CacheEntry, float]:
         return await _entry(*self._cache.get_or_load(name))
 
-    async def preload(self, name: str) -> PreloadResult:
-        """Make an adapter ready in the cache; idempotent."""
+    async def preload(self, name: str, link: str | None = None) -> PreloadResult:
+        """Make an adapter ready in the cache; idempotent. `link`: a URL adapter's full URL (`name` its identity)."""
         self._require_runtime()
+        self._sources.check(name)
+        if link is not None:
+            self._sources.note_link(name, link)
         entry, load_ms = await self._cached(name)
-        return PreloadResult(adapter=self._summary(name, entry), already_cached=load_ms == 0.0)
+        loaded = load_ms != 0.0
+        adapter = entry.adapter
+        return PreloadResult(
+            adapter=self._summary(name, entry),
+            already_cached=not loaded,
+            download_ms=adapter.download_ms if loaded else 0.0,
+            download_bytes=adapter.download_bytes if loaded else 0,
+        )
 
     def evict(self, name: str) -> int:
         """Drop an adapter from the cache; returns the bytes freed."""
@@ -397,7 +457,31 @@ class DiffusionEngine:
 async def _entry(future: Future, hit: bool) -> tuple[CacheEntry, float]:
     """The cache entry a get_or_load future gives, and the ms its load took (0 when it was cached)."""
     entry = await asyncio.wrap_future(future)
-    return entry, 0.0 if hit else entry.adapter.load_ms
+    return entry, 0.0 if hit else entry.adapter.download_ms + entry.adapter.load_ms
+
+
+def url_adapter_source(config: EngineConfig, observer: EngineObserver):
+    """The fetcher of URL adapters under the config's --allow-url-host rules, or None when no host is allowed."""
+    from loraswap.server.engine.adapters.download_cache import DownloadCache
+    from loraswap.server.engine.adapters.url_fetch import UrlAdapterSource, UrlTimeouts
+    from loraswap.server.engine.adapters.url_policy import UrlPolicy, read_token_file
+
+    if not (config.allow_url_host or config.allow_insecure_url_host):
+        return None
+    policy = UrlPolicy(
+        allowed_hosts=config.allow_url_host,
+        insecure_hosts=config.allow_insecure_url_host,
+        allow_private_addresses=config.allow_url_private_addresses,
+        tokens=read_token_file(config.url_token_file) if config.url_token_file else {},
+    )
+    return UrlAdapterSource(
+        policy,
+        DownloadCache(config.download_cache_dir, config.adapter_cache_dir_bytes),
+        max_adapter_bytes=config.max_adapter_bytes,
+        ca_file=config.url_ca_file,
+        timeouts=UrlTimeouts(io_s=config.url_timeout_seconds, deadline_s=config.url_deadline_seconds),
+        observer=observer,
+    )
 
 
 def _shipped_adapter_dir(model: str):

@@ -65,6 +65,28 @@ class ErrorReason(str, enum.Enum):
     ADAPTER_KIND_UNSUPPORTED = "ADAPTER_KIND_UNSUPPORTED"
     FUSE_MEMORY_EXCEEDED = "FUSE_MEMORY_EXCEEDED"
     FUSE_CHOICE_UNAVAILABLE = "FUSE_CHOICE_UNAVAILABLE"
+    URL_SCHEME_UNSUPPORTED = "URL_SCHEME_UNSUPPORTED"
+    URL_CREDENTIALS_IN_NAME = "URL_CREDENTIALS_IN_NAME"
+    URL_HOST_NOT_ALLOWED = "URL_HOST_NOT_ALLOWED"
+    URL_INSECURE_NOT_ALLOWED = "URL_INSECURE_NOT_ALLOWED"
+    URL_ADDRESS_NOT_ALLOWED = "URL_ADDRESS_NOT_ALLOWED"
+    URL_REDIRECT_REFUSED = "URL_REDIRECT_REFUSED"
+    URL_TOO_MANY_REDIRECTS = "URL_TOO_MANY_REDIRECTS"
+    URL_DNS_FAILED = "URL_DNS_FAILED"
+    URL_CONNECT_FAILED = "URL_CONNECT_FAILED"
+    URL_TIMED_OUT = "URL_TIMED_OUT"
+    URL_TLS_FAILED = "URL_TLS_FAILED"
+    URL_ACCESS_DENIED = "URL_ACCESS_DENIED"
+    URL_NOT_FOUND = "URL_NOT_FOUND"
+    URL_GONE = "URL_GONE"
+    URL_RATE_LIMITED = "URL_RATE_LIMITED"
+    URL_SERVER_ERROR = "URL_SERVER_ERROR"
+    URL_HTTP_ERROR = "URL_HTTP_ERROR"
+    URL_CONTENT_ENCODING_REFUSED = "URL_CONTENT_ENCODING_REFUSED"
+    URL_BODY_SHORT = "URL_BODY_SHORT"
+    URL_CHECKSUM_MISMATCH = "URL_CHECKSUM_MISMATCH"
+    URL_NOT_SAFETENSORS = "URL_NOT_SAFETENSORS"
+    DISK_CACHE_FULL = "DISK_CACHE_FULL"
 
     def __str__(self) -> str:
         # The wire string, on every Python version (3.10 would print "ErrorReason.NAME").
@@ -142,6 +164,33 @@ class AdapterTooLargeError(EngineError):
     """The adapter is bigger than the server accepts."""
 
     reason = ErrorReason.ADAPTER_TOO_LARGE
+
+
+class UrlRefusedError(EngineError):
+    """A URL adapter this server may not fetch (host, plain HTTP, address, a redirect's target); nothing was sent
+    to that host."""
+
+    reason = ErrorReason.URL_HOST_NOT_ALLOWED
+
+
+class UrlFetchError(EngineError):
+    """A URL adapter's download failed in a way the same call will not mend (DNS, TLS, 401/403, a 4xx, a refused
+    body, a checksum mismatch); nothing was cached."""
+
+    reason = ErrorReason.URL_HTTP_ERROR
+
+
+class UrlMissingError(EngineError):
+    """The URL's server says the adapter is not there (404) or no longer there (410); nothing was cached."""
+
+    reason = ErrorReason.URL_NOT_FOUND
+
+
+class UrlUnavailableError(EngineError):
+    """A URL adapter's download failed in a way a later retry may mend (a refused or timed-out connection, 429,
+    5xx, a body cut short); nothing was cached. `retry_after_s` metadata: what the server's Retry-After said."""
+
+    reason = ErrorReason.URL_CONNECT_FAILED
 
 
 class HubDisabledError(EngineError):

@@ -43,8 +43,9 @@ class Engine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Validate and queue a request; yield Queued/StepProgress events, then the GeneratedImage."""
 
-    async def preload(self, name: str) -> PreloadResult:
-        """Make an adapter ready in the cache; idempotent."""
+    async def preload(self, name: str, link: str | None = None) -> PreloadResult:
+        """Make an adapter ready in the cache; idempotent. `link`: a URL adapter's full URL (`name`: its public
+        identity)."""
 
     def evict(self, name: str) -> int:
         """Drop an adapter from the cache; returns the bytes freed."""

@@ -49,6 +49,11 @@ class EngineObserver:
     def adapter_loaded(self, seconds: float) -> None:
         """An adapter was read, converted and validated into the cache, taking `seconds`."""
 
+    def url_download(self, host: str, outcome: str, transferred_bytes: int) -> None:
+        """A URL adapter was fetched from `host` (the --allow-url-host rule that allowed it: a bounded set):
+        `outcome` is "downloaded", "not_modified" (revalidated, the file on disk served), "disk" (pinned by
+        #sha256= and on disk: nothing sent) or the ErrorReason of a failure; `transferred_bytes` of body came."""
+
     def adapters_evicted(self, count: int) -> None:
         """`count` adapters left the cache (an Evict, or the byte budget making room)."""
 

@@ -98,6 +98,9 @@ class GenerationRequest:
     image_format: ImageFormat = ImageFormat.PNG
     preview_every: int = 0  # a preview every this many steps and at the last; 0: none
     fuse: FuseChoice | None = None  # the path pinned by the caller; None: the server's --fuse policy
+    # URL adapters are named by their public identity (adapters/url_names.py); identity -> the full URL the caller
+    # sent, a secret that only the fetcher sees (never shown: not in repr, not compared).
+    adapter_links: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,10 @@ class Queued:
 
     position: int
     loading_adapter: bool = False
+    # While URL adapters download (a stack's summed): bytes written so far, and the totals their servers announced
+    # (0: not announced).
+    downloaded_bytes: int = 0
+    download_total_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -242,6 +249,10 @@ class PreloadResult:
 
     adapter: AdapterSummary
     already_cached: bool
+    # A URL adapter's fetch for this preload: its milliseconds and the body bytes that came (0 when the file was
+    # on disk already, or nothing was loaded).
+    download_ms: float = 0.0
+    download_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,6 +122,10 @@ def _logging_failures(app: Callable) -> Callable:
     return metrics_app
 
 
+# The outcomes of URL fetches that gave a file (observer.url_download); any other outcome is a failure's reason.
+URL_DOWNLOAD_OUTCOMES = ("downloaded", "not_modified", "disk")
+
+
 class MetricsEngineObserver(EngineObserver):
     """Turns the engine's events into observations of ServerMetrics."""
 
@@ -136,6 +140,14 @@ class MetricsEngineObserver(EngineObserver):
 
     def adapters_evicted(self, count: int) -> None:
         self._m.evictions.inc(count)
+
+    def url_download(self, host: str, outcome: str, transferred_bytes: int) -> None:
+        if transferred_bytes:
+            self._m.url_download_bytes.labels(host=host).inc(transferred_bytes)
+        if outcome in URL_DOWNLOAD_OUTCOMES:
+            self._m.url_downloads.labels(host=host, outcome=outcome).inc()
+        else:
+            self._m.url_download_failures.labels(host=host, reason=outcome).inc()
 
     def job_dequeued(self, wait_seconds: float) -> None:
         self._m.queue_wait_seconds.observe(wait_seconds)
@@ -209,6 +221,21 @@ class ServerMetrics:
             f"{max_adapter_labels} adapter names (--metrics-max-adapters) the rest count as adapter={OTHER_ADAPTERS}.",
             ["adapter"], registry=r,
         )  # fmt: skip
+        # URL adapters, by the --allow-url-host rule that allowed them (a bounded set: never the URL's own host).
+        self.url_downloads = Counter(
+            "loraswap_url_downloads",
+            "URL adapter fetches that gave a file, by allowed host rule; outcome=downloaded (the body came), "
+            "not_modified (revalidated: the file on disk served), disk (pinned by #sha256= and on disk: nothing sent).",
+            ["host", "outcome"], registry=r,
+        )  # fmt: skip
+        self.url_download_bytes = Counter(
+            "loraswap_url_download_bytes", "Body bytes of URL adapter downloads (failed ones too), by allowed host rule.",
+            ["host"], registry=r,
+        )  # fmt: skip
+        self.url_download_failures = Counter(
+            "loraswap_url_download_failures", "URL adapter fetches that failed, by allowed host rule and ErrorInfo reason.",
+            ["host", "reason"], registry=r,
+        )  # fmt: skip
         self.build_info = Gauge(
             "loraswap_build_info", "1, labelled with the server's version and its model.",
             ["version", "model", "family", "dtype", "device"], registry=r,
@@ -231,6 +258,13 @@ class ServerMetrics:
         self.engine_observer = MetricsEngineObserver(self)
         self._http: MetricsHTTPServer | None = None
         self._http_thread: threading.Thread | None = None
+
+    def know_url_hosts(self, hosts: tuple[str, ...]) -> None:
+        """Start the URL series of each allowed host rule at zero."""
+        for host in hosts:
+            self.url_download_bytes.labels(host=host)
+            for outcome in URL_DOWNLOAD_OUTCOMES:
+                self.url_downloads.labels(host=host, outcome=outcome)
 
     def read_levels_from(self, levels: Callable[[], EngineGauges]) -> None:
         """Read queue depth, cache bytes and entries and recompilations from `levels` at each scrape."""

@@ -27,6 +27,9 @@ class ServerObservers:
             if settings.metrics_port is not None
             else None
         )
+        if self.metrics is not None:
+            engine = settings.engine
+            self.metrics.know_url_hosts(tuple(dict.fromkeys(engine.allow_insecure_url_host + engine.allow_url_host)))
         self.access_log = AccessLog(log_prompts=settings.log_prompts)
         self.tracer = None
         if settings.otlp_endpoint:

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from loraswap.server.engine.adapters.url_names import loggable_name
 from loraswap.server.engine.types import Timings
 from loraswap.server.observability.calls import REQUEST_ID_KEY, CallRecord, method_name, request_id_from
 from loraswap.server.observability.observers import ServerObservers
@@ -113,17 +114,18 @@ def _note_request(record: CallRecord, request: object, metadata) -> None:
     """What the request asks for, as far as the observers care."""
     if isinstance(request, UndecodableRequest):
         return
-    lora = convert.lora_names(metadata)
+    # URL adapters by their public identity: a link's query (a presigned signature, a token) is never recorded.
+    lora = tuple(map(loggable_name, convert.lora_names(metadata)))
     if isinstance(request, pb.GenerateRequest):
         named = tuple(entry.adapter for entry in request.adapters) or ((request.adapter,) if request.adapter else ())
-        record.adapters = named or lora
+        record.adapters = tuple(map(loggable_name, named)) or lora
         record.prompt = request.prompt
         if request.HasField("num_inference_steps"):
             record.steps = request.num_inference_steps
         if request.HasField("width") and request.HasField("height"):
             record.width, record.height = request.width, request.height
     elif isinstance(request, (pb.PreloadAdapterRequest, pb.EvictRequest)):
-        record.adapters = (request.adapter,) if request.adapter else lora
+        record.adapters = (loggable_name(request.adapter),) if request.adapter else lora
 
 
 def _note_response(record: CallRecord, response: pb.GenerateResponse) -> None:

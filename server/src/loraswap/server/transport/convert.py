@@ -10,6 +10,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from loraswap.server.engine.adapters.url_names import is_url_name, parse_url_name
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,
@@ -54,8 +55,26 @@ def _optional(message, field: str):
     return getattr(message, field) if message.HasField(field) else None
 
 
+def public_adapter_name(name: str, links: dict[str, str]) -> str:
+    """The name the engine and every reply, log and metric know an adapter by: a URL's public identity (its link,
+    a secret, put in `links`), any other name itself. AdapterNameError for a malformed URL."""
+    if not is_url_name(name):
+        return name
+    url = parse_url_name(name)
+    links[url.identity] = name
+    return url.identity
+
+
+def adapter_and_link(name: str) -> tuple[str, str | None]:
+    """PreloadAdapter / Evict: the adapter's public name, and its link when it is a URL."""
+    links: dict[str, str] = {}
+    public = public_adapter_name(name, links)
+    return public, links.get(public)
+
+
 def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest:
-    """GenerateRequest -> GenerationRequest; unset optional fields become None (model defaults)."""
+    """GenerateRequest -> GenerationRequest; unset optional fields become None (model defaults); URL adapters by
+    their public identity, their links in adapter_links."""
     from loraswap.server.engine.errors import InvalidRequestError
 
     image_format = _IMAGE_FORMAT_FROM_PB.get(request.image_format)
@@ -70,12 +89,16 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
             "server's --fuse policy",
             field="fuse",
         )
+    links: dict[str, str] = {}
     return GenerationRequest(
         prompt=request.prompt,
         negative_prompt=request.negative_prompt,
-        adapter=request.adapter,
+        adapter=public_adapter_name(request.adapter, links),
         adapter_scale=_optional(request, "adapter_scale"),
-        adapters=tuple(StackedAdapter(entry.adapter, _optional(entry, "scale")) for entry in request.adapters),
+        adapters=tuple(
+            StackedAdapter(public_adapter_name(entry.adapter, links), _optional(entry, "scale"))
+            for entry in request.adapters
+        ),
         num_inference_steps=_optional(request, "num_inference_steps"),
         guidance_scale=_optional(request, "guidance_scale"),
         width=_optional(request, "width"),
@@ -84,6 +107,7 @@ def generation_request_from_pb(request: pb.GenerateRequest) -> GenerationRequest
         image_format=image_format,
         preview_every=request.preview_every,
         fuse=_FUSE_CHOICE_FROM_PB[request.fuse],
+        adapter_links=links,
     )
 
 
@@ -94,6 +118,12 @@ def lora_names(metadata) -> tuple[str, ...]:
             text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
             return tuple(name.strip() for name in text.split(",") if name.strip())
     return ()
+
+
+def _loggable(name: str) -> str:
+    from loraswap.server.engine.adapters.url_names import loggable_name
+
+    return loggable_name(name)
 
 
 def _metadata_mismatch(names: tuple[str, ...], requested: tuple[str, ...]):
@@ -116,6 +146,9 @@ def with_lora_metadata(request: GenerationRequest, names: tuple[str, ...]) -> Ge
 
     if not names:
         return request
+    links = dict(request.adapter_links)
+    names = tuple(public_adapter_name(name, links) for name in names)
+    request = replace(request, adapter_links=links)
     requested = (request.adapter,) if request.adapter else tuple(member.adapter for member in request.adapters)
     if not requested:
         if len(names) == 1:
@@ -131,6 +164,10 @@ def adapter_with_lora_metadata(adapter: str, names: tuple[str, ...]) -> str:
     if not names:
         return adapter
     if len(names) != 1 or (adapter and adapter != names[0]):
+        if len(names) == 1 and adapter and _loggable(adapter) == _loggable(names[0]):
+            return adapter  # one URL, sent with and without its query: the field's is the full one
+        names = tuple(map(_loggable, names))
+        adapter = _loggable(adapter)
         raise _metadata_mismatch(names, (adapter,) if adapter else ())
     return names[0]
 

@@ -28,6 +28,10 @@ STATUS_FOR_ERROR: dict[type[engine_errors.EngineError], grpc.StatusCode] = {
     engine_errors.AdapterPinnedError: grpc.StatusCode.FAILED_PRECONDITION,
     engine_errors.AdapterTooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     engine_errors.HubDisabledError: grpc.StatusCode.FAILED_PRECONDITION,
+    engine_errors.UrlRefusedError: grpc.StatusCode.PERMISSION_DENIED,
+    engine_errors.UrlFetchError: grpc.StatusCode.FAILED_PRECONDITION,
+    engine_errors.UrlMissingError: grpc.StatusCode.NOT_FOUND,
+    engine_errors.UrlUnavailableError: grpc.StatusCode.UNAVAILABLE,
     engine_errors.QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     engine_errors.NotServingError: grpc.StatusCode.UNAVAILABLE,
     engine_errors.GenerationCancelledError: grpc.StatusCode.CANCELLED,
@@ -55,9 +59,11 @@ def status_code_for(error: engine_errors.EngineError) -> grpc.StatusCode:
 
 
 def retry_delay_s(error: engine_errors.EngineError) -> float | None:
-    """Seconds the caller should wait before retrying, or None when retrying the same call cannot help."""
+    """Seconds the caller should wait before retrying, or None when retrying the same call cannot help.
+
+    An error's `retry_after_s` (a fetched URL's Retry-After) gives a delay for any reason."""
     default = RETRY_DELAY_S_FOR_REASON.get(error.reason)
-    if default is None:
+    if default is None and "retry_after_s" not in error.metadata:
         return None
     try:
         return max(0.0, float(error.metadata["retry_after_s"]))

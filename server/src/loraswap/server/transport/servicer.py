@@ -154,11 +154,13 @@ class DiffusionServicer(pb_grpc.DiffusionServiceServicer):
     async def PreloadAdapter(
         self, request: pb.PreloadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreloadAdapterResponse:
-        return convert.to_pb(await self.engine.preload(_adapter_named(request.adapter, context)))
+        name, link = convert.adapter_and_link(_adapter_named(request.adapter, context))
+        return convert.to_pb(await self.engine.preload(name, link))
 
     @_errors_mapped
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
-        return pb.EvictResponse(freed_bytes=self.engine.evict(_adapter_named(request.adapter, context)))
+        name, _ = convert.adapter_and_link(_adapter_named(request.adapter, context))
+        return pb.EvictResponse(freed_bytes=self.engine.evict(name))
 
     @_errors_mapped
     async def ListAdapters(

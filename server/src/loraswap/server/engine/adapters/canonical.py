@@ -138,6 +138,9 @@ class CanonicalAdapter:
     fits_slot: bool = True
     # (component, module) -> every other change: other kinds, other denoiser layers, text-encoder layers.
     changes: Mapping[tuple[str, str], LayerChange] = field(default_factory=dict)
+    # A URL adapter's fetch (AdapterFile's): its milliseconds before load_ms, and the body bytes that came.
+    download_ms: float = 0.0
+    download_bytes: int = 0
     # Scratch space for the swap slot (the views it copies from, built on the first swap), so that it
     # lives and dies with the adapter. Not part of the adapter's identity.
     swap_cache: dict = field(default_factory=dict, compare=False, repr=False)
@@ -691,4 +694,6 @@ def load_canonical(
         load_ms=(time.perf_counter() - started) * 1000.0,
         fits_slot=_fits_slot(read.layers, read.changes, spec),
         changes=read.changes,
+        download_ms=adapter_file.download_ms,
+        download_bytes=adapter_file.download_bytes,
     )

@@ -1,18 +1,24 @@
-"""Where adapter files come from: the adapter directory, or the Hugging Face Hub.
+"""Where adapter files come from: the adapter directory, the Hugging Face Hub, or an https:// URL.
 
 A source only turns a name into a local safetensors file; it never reads the
 weights. Names follow the grammar written in the proto:
 
     local-name = segment *("/" segment)       (under --adapter-dir)
     hub-ref    = ["hf:"] owner "/" repo ["@" revision] [":" weight-file]
+    url-name   = "https://" host [":" port] path ["?" query] ["#sha256=" 64HEXDIG]   (url_names.py)
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from loraswap.server.engine.adapters.url_names import is_url_name, parse_url_name
 from loraswap.server.engine.errors import (
     AdapterFormatError,
     AdapterNameError,
@@ -22,6 +28,9 @@ from loraswap.server.engine.errors import (
     HubDisabledError,
     shorten,
 )
+
+if TYPE_CHECKING:
+    from loraswap.server.engine.adapters.url_fetch import DownloadProgress, UrlAdapterSource
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 # A Hugging Face model card; its YAML front matter may declare the adapter's base model.
@@ -48,6 +57,10 @@ class AdapterFile:
     max_bytes: int = field(default=0, compare=False)
     # The model card beside the weights (the adapter's folder, the Hub repo's README.md), if there is one.
     model_card: Path | None = field(default=None, compare=False)
+    # A URL adapter's: the SHA-256 of its bytes (its file in the disk cache), and what fetching it took.
+    sha256: str | None = field(default=None, compare=False)
+    download_ms: float = field(default=0.0, compare=False)
+    download_bytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,9 @@ def check_name(name: str) -> None:
     """Refuse names that break the grammar before anything touches the disk or the network."""
     if not name:
         raise AdapterNameError("the adapter name is empty; leave `adapter` unset for the base model")
+    if is_url_name(name):
+        parse_url_name(name)
+        return
     if len(name) > MAX_NAME_LENGTH:
         raise AdapterNameError(
             f"the adapter name is {len(name)} characters long; names are limited to {MAX_NAME_LENGTH}"
@@ -95,7 +111,7 @@ def check_name(name: str) -> None:
     if not is_local and ref is None:
         raise AdapterNameError(
             f"adapter name {shorten(name)!r} is not valid: use letters, digits, '.', '_', '-' and '/' "
-            "(or hf:owner/repo[@revision][:file.safetensors] for the Hub)"
+            "(or hf:owner/repo[@revision][:file.safetensors] for the Hub, or an https:// URL)"
         )
     parts = [name] if is_local else [ref.repo_id, ref.revision or "main", ref.weight_name or "x"]
     if any(_has_bad_segment(part) for part in parts):
@@ -282,15 +298,67 @@ def _hub_model_card(ref: HubRef) -> Path | None:
 
 
 class AdapterSources:
-    """Resolves an adapter name to a local file: the adapter directory first, then the Hub."""
+    """Resolves an adapter name to a local file: a URL through its fetcher, else the adapter directory first, then
+    the Hub.
 
-    def __init__(self, local: LocalAdapterDirectory, hub: HubAdapterSource) -> None:
+    URL adapters are named by their public identity (url_names.py); the link a request came with is kept here,
+    newest first, for the fetcher alone (`note_link`), and dropped once a load has used it.
+    """
+
+    def __init__(
+        self, local: LocalAdapterDirectory, hub: HubAdapterSource, urls: UrlAdapterSource | None = None
+    ) -> None:
         self.local = local
         self.hub = hub
+        self.urls = urls
+        self._links: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def check(self, name: str) -> None:
+        """Refuse, before anything is loaded or sent, a name that breaks the grammar or a URL this server may not
+        fetch."""
+        check_name(name)
+        if is_url_name(name):
+            if self.urls is None:
+                from loraswap.server.engine.errors import ErrorReason, UrlRefusedError
+
+                raise UrlRefusedError(
+                    f"this server fetches no adapter URLs ({parse_url_name(name).origin}); its operator allows hosts "
+                    "with --allow-url-host",
+                    reason=ErrorReason.URL_HOST_NOT_ALLOWED,
+                )
+            self.urls.check(parse_url_name(name))
+
+    def note_link(self, identity: str, link: str) -> None:
+        """The full URL a request named `identity` by (the newest wins): what the fetcher will use."""
+        with self._lock:
+            self._links[identity] = link
+
+    def download_progress(self, name: str) -> DownloadProgress | None:
+        """The download of URL adapter `name` under way now, or None."""
+        return self.urls.progress(name) if self.urls is not None and is_url_name(name) else None
+
+    @contextlib.contextmanager
+    def holding(self, found: AdapterFile) -> Iterator[None]:
+        """Keep a URL adapter's downloaded file on disk while the block reads it; when the block raises an
+        EngineError (the bytes are no usable adapter), remove it, so that nothing of it stays cached."""
+        if found.sha256 is None or self.urls is None or self.urls.cache is None:
+            yield
+            return
+        from loraswap.server.engine.errors import EngineError
+
+        try:
+            with self.urls.cache.reading(found.sha256):
+                yield
+        except EngineError:
+            self.urls.discard(parse_url_name(found.name), found.sha256)
+            raise
 
     def resolve(self, name: str) -> AdapterFile:
         """The file for a name, or AdapterNotFoundError / AdapterNameError saying what to fix."""
-        check_name(name)
+        self.check(name)
+        if is_url_name(name):
+            return self._fetch_url(name)
         if not name.startswith("hf:"):
             found = self.local.find(name)
             if found is not None:
@@ -304,3 +372,17 @@ class AdapterSources:
             f"no adapter named {shorten(name)!r} {where}; check the name, or ListAdapters to see what is cached",
             adapter=name,
         )
+
+    def _fetch_url(self, identity: str) -> AdapterFile:
+        with self._lock:
+            link = self._links.pop(identity, None)
+        url = parse_url_name(link if link is not None else identity)
+        if url.identity != parse_url_name(identity).identity:
+            raise AdapterNameError(f"the link kept for {identity} names another identity")  # never: note_link's
+        pinned_on_disk = url.sha256 is not None and self.urls.cache is not None and self.urls.cache.has(url.sha256)
+        if link is None and "?" in identity.split("#")[0] and not pinned_on_disk:
+            raise AdapterNameError(
+                f"{identity} is a URL identity whose query was left out; send the full URL (its query is never "
+                "shown), or pin the file with #sha256="
+            )
+        return self.urls.fetch(url)

@@ -1,0 +1,178 @@
+"""The disk cache of downloaded adapter files (--adapter-cache-dir), addressed by the SHA-256 of their bytes.
+
+    DIR/sha256/<hex>.safetensors   one file per distinct content, however many URLs reached it
+    DIR/urls/<sha256 of identity>.json   what the URL identity last gave: sha256, ETag, Last-Modified, bytes
+    DIR/partial/                   downloads under way; emptied at start-up
+
+A download is written under partial/, checked, fsynced and renamed into sha256/ whole, so a file there is always
+complete. Under a byte budget (--adapter-cache-dir-bytes) the least recently used files go first to make room
+for a new download, never one being read at that moment; when even that leaves no room, or the disk itself is
+full, the download is refused (DISK_CACHE_FULL) and nothing of it stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from loraswap.server.engine.errors import AdapterTooLargeError, ErrorReason
+
+SHA256_HEX = 64
+
+
+@dataclass(frozen=True)
+class UrlRecord:
+    """What one URL identity gave when it was last fetched."""
+
+    identity: str
+    sha256: str
+    bytes: int
+    etag: str | None = None
+    last_modified: str | None = None
+    fetched_unix: float = 0.0
+
+
+def disk_full_error(needed: int, budget: int | None) -> AdapterTooLargeError:
+    where = f"its budget of {budget} bytes (--adapter-cache-dir-bytes)" if budget else "the disk"
+    return AdapterTooLargeError(
+        f"the adapter download needs {needed} bytes in the server's --adapter-cache-dir and {where} has no room "
+        "left once the files not in use are removed; retry later, or ask the operator for more room",
+        reason=ErrorReason.DISK_CACHE_FULL,
+        needed_bytes=needed,
+    )
+
+
+class DownloadCache:
+    """Content-addressed adapter files on disk, with a record per URL identity. Thread-safe."""
+
+    def __init__(self, root: Path, budget_bytes: int = 0) -> None:
+        self.root = root
+        self.budget_bytes = budget_bytes
+        self._files = root / "sha256"
+        self._urls = root / "urls"
+        self._partial = root / "partial"
+        for folder in (self._files, self._urls, self._partial):
+            folder.mkdir(parents=True, exist_ok=True)
+        for leftover in self._partial.iterdir():  # a download cut off by a crash or a kill
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        self._lock = threading.Lock()
+        self._reading: dict[str, int] = {}
+
+    # -- content files ---------------------------------------------------------------------------------------
+
+    def path_of(self, sha256: str) -> Path:
+        return self._files / f"{sha256}.safetensors"
+
+    def has(self, sha256: str) -> bool:
+        return self.path_of(sha256).is_file()
+
+    @contextlib.contextmanager
+    def reading(self, sha256: str) -> Iterator[Path]:
+        """The file of `sha256`, kept from eviction while the block reads it; its use time is now."""
+        with self._lock:
+            self._reading[sha256] = self._reading.get(sha256, 0) + 1
+        path = self.path_of(sha256)
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        try:
+            yield path
+        finally:
+            with self._lock:
+                self._reading[sha256] -= 1
+                if not self._reading[sha256]:
+                    del self._reading[sha256]
+
+    def discard(self, sha256: str) -> None:
+        """Remove a content file (one that downloaded whole but is not a usable adapter)."""
+        with self._lock, contextlib.suppress(OSError):
+            self.path_of(sha256).unlink()
+
+    def total_bytes(self) -> int:
+        total = 0
+        for path in self._files.glob("*.safetensors"):
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+        return total
+
+    def make_room(self, needed: int) -> None:
+        """Remove least recently used files (none being read) until `needed` more bytes fit the budget."""
+        if not self.budget_bytes:
+            return
+        if needed > self.budget_bytes:
+            raise disk_full_error(needed, self.budget_bytes)
+        with self._lock:
+            files = []
+            for path in self._files.glob("*.safetensors"):
+                with contextlib.suppress(OSError):
+                    stat = path.stat()
+                    files.append((stat.st_mtime, stat.st_size, path))
+            total = sum(size for _, size, _ in files)
+            for _, size, path in sorted(files):
+                if total + needed <= self.budget_bytes:
+                    break
+                if path.stem in self._reading:
+                    continue
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    total -= size
+            if total + needed > self.budget_bytes:
+                raise disk_full_error(needed, self.budget_bytes)
+
+    @contextlib.contextmanager
+    def partial_file(self) -> Iterator[tuple[Path, object]]:
+        """A new file under partial/, open for writing; removed on the way out unless committed (renamed)."""
+        path = self._partial / f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}.part"
+        try:
+            with path.open("wb") as handle:
+                yield path, handle
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise disk_full_error(path.stat().st_size if path.exists() else 0, None) from None
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def commit(self, partial: Path, handle, sha256: str) -> Path:
+        """Make a finished download the content file of `sha256` (fsynced, then renamed in one step)."""
+        handle.flush()
+        os.fsync(handle.fileno())
+        target = self.path_of(sha256)
+        with self._lock:
+            os.replace(partial, target)
+        return target
+
+    # -- URL records -----------------------------------------------------------------------------------------
+
+    def _record_path(self, identity: str) -> Path:
+        return self._urls / f"{hashlib.sha256(identity.encode()).hexdigest()}.json"
+
+    def record(self, identity: str) -> UrlRecord | None:
+        """The identity's record when it names a content file still here, else None."""
+        try:
+            values = json.loads(self._record_path(identity).read_text(encoding="utf-8"))
+            record = UrlRecord(**values)
+        except (OSError, ValueError, TypeError):
+            return None
+        if record.identity != identity or len(record.sha256) != SHA256_HEX or not self.has(record.sha256):
+            return None
+        return record
+
+    def write_record(self, record: UrlRecord) -> None:
+        path = self._record_path(record.identity)
+        temporary = path.with_suffix(f".{threading.get_ident()}.tmp")
+        temporary.write_text(json.dumps(asdict(record)), encoding="utf-8")
+        os.replace(temporary, path)
+
+    def forget(self, identity: str) -> None:
+        with contextlib.suppress(OSError):
+            self._record_path(identity).unlink()

@@ -1,0 +1,461 @@
+"""Adapters from https:// URLs: checked, streamed to the disk cache, then read like any local file.
+
+When a URL adapter is not in the host cache, the loader thread asks `UrlAdapterSource.fetch` for a local file:
+
+1. The policy (url_policy.py) allows the host and scheme, or the request is refused before anything is sent.
+2. A name that pins `#sha256=` whose file is on disk is served from it: no request at all.
+3. An identity fetched before (a record in the disk cache) is revalidated: a conditional GET (If-None-Match,
+   If-Modified-Since); 304 serves the file on disk, 200 downloads anew. A file the host cache holds is never
+   revalidated while it stays there, as a local file is not re-read.
+4. Otherwise the body is streamed to a partial file with its SHA-256: never whole in memory, --max-adapter-bytes
+   checked against Content-Length and again while streaming, a read timeout on every read and a deadline on the
+   whole download, Accept-Encoding identity (a Content-Encoding is refused: no decompression), redirects followed
+   by hand (at most MAX_REDIRECTS, each target checked like the first URL, tokens only to their own host). The
+   finished file must hash to the name's `#sha256=` if it has one and begin like a safetensors file; then it is
+   renamed into the disk cache and its record written.
+
+Every failure leaves nothing behind and raises an EngineError whose message names the URL's identity only.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import hashlib
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urljoin
+
+from loraswap.server.engine.adapters.download_cache import DownloadCache, UrlRecord
+from loraswap.server.engine.adapters.sources import AdapterFile
+from loraswap.server.engine.adapters.url_names import UrlName, parse_url_name
+from loraswap.server.engine.adapters.url_policy import UrlPolicy
+from loraswap.server.engine.errors import (
+    AdapterNameError,
+    AdapterTooLargeError,
+    EngineError,
+    ErrorReason,
+    UrlFetchError,
+    UrlMissingError,
+    UrlRefusedError,
+    UrlUnavailableError,
+)
+from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver
+
+log = logging.getLogger(__name__)
+
+MAX_REDIRECTS = 5
+# A Retry-After beyond this is read as this: a client is told to come back within the hour at most.
+MAX_RETRY_AFTER_S = 3600.0
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+# httpx logs every request's URL at INFO, query string and all; a presigned URL's signature must never be logged.
+for _chatty in ("httpx", "httpcore"):
+    logging.getLogger(_chatty).setLevel(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class UrlTimeouts:
+    """Seconds: to connect and for each read (`io_s`), and for the whole download (`deadline_s`)."""
+
+    io_s: float = 30.0
+    deadline_s: float = 600.0
+
+
+@dataclass
+class DownloadProgress:
+    """A download under way: bytes written so far, and the total the server announced (0: not announced)."""
+
+    done: int = 0
+    total: int = 0
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """A Retry-After header (seconds or an HTTP date) in seconds from now, or None."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
+
+
+def _has_ssl_cause(error: BaseException) -> bool:
+    seen = error
+    for _ in range(8):
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            return False
+    return False
+
+
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    """Whether a file's first bytes are a safetensors header: a little-endian length that fits, then '{'."""
+    if len(head) < 9:
+        return False
+    header_bytes = int.from_bytes(head[:8], "little")
+    return 2 <= header_bytes <= size - 8 and head[8:9] == b"{"
+
+
+class UrlAdapterSource:
+    """Fetches URL adapters into a DownloadCache under a UrlPolicy; one download per identity at a time."""
+
+    def __init__(
+        self,
+        policy: UrlPolicy,
+        cache: DownloadCache | None,
+        *,
+        max_adapter_bytes: int = 0,
+        ca_file: Path | None = None,
+        timeouts: UrlTimeouts = UrlTimeouts(),
+        observer: EngineObserver = NO_OBSERVER,
+    ) -> None:
+        self.policy = policy
+        self.cache = cache
+        self.max_adapter_bytes = max_adapter_bytes
+        self.timeouts = timeouts
+        self.observer = observer
+        self._ssl = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        self._lock = threading.Lock()
+        self._progress: dict[str, DownloadProgress] = {}
+        self._client = None
+
+    def _http(self):
+        import httpx
+
+        with self._lock:
+            if self._client is None:
+                timeout = httpx.Timeout(self.timeouts.io_s)
+                # trust_env off: no proxy, .netrc credentials or CA bundle from the environment; the flags decide.
+                self._client = httpx.Client(verify=self._ssl, timeout=timeout, follow_redirects=False, trust_env=False)
+            return self._client
+
+    def progress(self, identity: str) -> DownloadProgress | None:
+        """The download of `identity` under way now, or None."""
+        with self._lock:
+            return self._progress.get(identity)
+
+    def check(self, url: UrlName) -> None:
+        """Refuse a URL this server may not fetch, before anything is loaded or sent (UrlRefusedError)."""
+        self.policy.check(url)
+
+    def fetch(self, url: UrlName) -> AdapterFile:
+        """A local file holding the adapter `url` names, downloaded if need be (on a loader thread)."""
+        label = self.policy.check(url)
+        if self.cache is None:
+            raise UrlRefusedError("this server has no --adapter-cache-dir to download adapters into")
+        started = time.perf_counter()
+        if url.sha256 and self.cache.has(url.sha256):
+            self.observer.url_download(label, "disk", 0)
+            return self._file(url, url.sha256, 0.0, 0)
+        progress = DownloadProgress()
+        with self._lock:
+            self._progress[url.identity] = progress
+        try:
+            sha256, transferred, outcome = self._download(url, progress)
+        except EngineError as error:
+            self.observer.url_download(label, str(error.reason), progress.done)
+            raise
+        finally:
+            with self._lock:
+                self._progress.pop(url.identity, None)
+        self.observer.url_download(label, outcome, transferred)
+        return self._file(url, sha256, (time.perf_counter() - started) * 1000.0, transferred)
+
+    def _file(self, url: UrlName, sha256: str, download_ms: float, download_bytes: int) -> AdapterFile:
+        return AdapterFile(
+            name=url.identity,
+            path=self.cache.path_of(sha256),
+            source=f"{url.origin}{url.path} sha256:{sha256}",
+            max_bytes=self.max_adapter_bytes,
+            sha256=sha256,
+            download_ms=download_ms,
+            download_bytes=download_bytes,
+        )
+
+    def discard(self, url: UrlName, sha256: str) -> None:
+        """Forget a download whose bytes are no usable adapter, so that nothing of it stays cached."""
+        if self.cache is not None:
+            self.cache.forget(url.identity)
+            self.cache.discard(sha256)
+
+    # -- the download --------------------------------------------------------------------------------------------
+
+    def _download(self, url: UrlName, progress: DownloadProgress) -> tuple[str, int, str]:
+        """(sha256, bytes transferred, outcome): "not_modified" (the file on disk still current) or "downloaded"."""
+        record = self.cache.record(url.identity)
+        conditional = {}
+        if record is not None and url.sha256 in (None, record.sha256):
+            if record.etag:
+                conditional["If-None-Match"] = record.etag
+            if record.last_modified:
+                conditional["If-Modified-Since"] = record.last_modified
+        deadline = time.monotonic() + self.timeouts.deadline_s
+        with self._response(url, conditional, deadline) as (response, final):
+            if response.status_code == 304 and record is not None and conditional:
+                return record.sha256, 0, "not_modified"
+            self._check_status(response, final)
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise UrlFetchError(
+                    f"{final.origin}{final.path} sent the adapter with Content-Encoding {encoding[:20]!r}; the server "
+                    "asks for and accepts only the file's own bytes (no compression): serve it unencoded",
+                    reason=ErrorReason.URL_CONTENT_ENCODING_REFUSED,
+                )
+            announced = _content_length(response)
+            self._check_size(url, announced)
+            progress.total = announced or 0
+            if announced:
+                self.cache.make_room(announced)
+            sha256 = self._stream(url, response, progress, announced, deadline)
+        self.cache.write_record(
+            UrlRecord(
+                identity=url.identity,
+                sha256=sha256,
+                bytes=progress.done,
+                etag=response.headers.get("etag"),
+                last_modified=response.headers.get("last-modified"),
+                fetched_unix=time.time(),
+            )
+        )
+        return sha256, progress.done, "downloaded"
+
+    @contextmanager
+    def _response(self, url: UrlName, conditional: dict[str, str], deadline: float) -> Iterator[tuple[object, UrlName]]:
+        """The streamed response at the end of the redirects, and the URL it came from."""
+        import httpx
+
+        current = url
+        link = url.link
+        for hop in range(MAX_REDIRECTS + 1):
+            headers = {"Accept-Encoding": "identity", "User-Agent": "loraswap"}
+            if current.host == url.host:
+                headers.update(conditional)
+            token = self.policy.token_for(current.host)
+            if token is not None:
+                headers["Authorization"] = f"Bearer {token}"
+            address = self.policy.address_for(current)
+            request_url = httpx.URL(link)
+            extensions = {}
+            if address != current.host:  # connect to the address checked, with the name for Host, SNI and the cert
+                request_url = request_url.copy_with(host=address)
+                headers["Host"] = request_url.netloc.decode().replace(address, current.host, 1)
+                extensions["sni_hostname"] = current.host
+            timeout = max(0.1, min(self.timeouts.io_s, deadline - time.monotonic()))
+            request = self._http().build_request(
+                "GET", request_url, headers=headers, extensions=extensions, timeout=timeout
+            )
+            response = self._send(request, current)
+            location = response.headers.get("location")
+            if response.status_code not in REDIRECT_STATUSES or not location:
+                try:
+                    yield response, current
+                finally:
+                    response.close()
+                return
+            response.close()
+            if hop == MAX_REDIRECTS:
+                break
+            current = self._redirect_target(current, link, location)
+            link = current.link
+            if time.monotonic() > deadline:
+                raise _timed_out(url, self.timeouts.deadline_s)
+        raise UrlFetchError(
+            f"{url.origin}{url.path} redirected more than {MAX_REDIRECTS} times (a loop?); give the URL the "
+            "redirects end at",
+            reason=ErrorReason.URL_TOO_MANY_REDIRECTS,
+        )
+
+    def _send(self, request, current: UrlName):
+        import httpx
+
+        shown = f"{current.origin}{current.path}"
+        try:
+            return self._http().send(request, stream=True)
+        except httpx.TimeoutException:
+            raise UrlUnavailableError(
+                f"{current.origin} did not answer within {self.timeouts.io_s:g} s (--url-timeout-seconds); retry "
+                "later, or check that the host is up",
+                reason=ErrorReason.URL_TIMED_OUT,
+            ) from None
+        except httpx.ConnectError as error:
+            if _has_ssl_cause(error):
+                raise UrlFetchError(
+                    f"the TLS handshake with {current.origin} failed (its certificate is not trusted or not for that "
+                    "name); the server verifies against the system's CAs or --url-ca-file",
+                    reason=ErrorReason.URL_TLS_FAILED,
+                ) from None
+            raise UrlUnavailableError(
+                f"could not connect to {current.origin} for {shown} (refused or unreachable); retry later, or check "
+                "the host and port",
+                reason=ErrorReason.URL_CONNECT_FAILED,
+            ) from None
+        except (httpx.TransportError, ssl.SSLError) as error:
+            if _has_ssl_cause(error) or isinstance(error, ssl.SSLError):
+                raise UrlFetchError(
+                    f"the TLS connection to {current.origin} failed; the server verifies against the system's CAs or "
+                    "--url-ca-file",
+                    reason=ErrorReason.URL_TLS_FAILED,
+                ) from None
+            raise UrlUnavailableError(
+                f"the connection to {current.origin} failed before it answered ({type(error).__name__}); retry later",
+                reason=ErrorReason.URL_CONNECT_FAILED,
+            ) from None
+
+    def _redirect_target(self, current: UrlName, link: str, location: str) -> UrlName:
+        try:
+            target = parse_url_name(urljoin(link, location))
+        except AdapterNameError as error:
+            raise UrlRefusedError(
+                f"{current.origin}{current.path} redirected to a URL the server does not follow ({error.message})",
+                reason=ErrorReason.URL_REDIRECT_REFUSED,
+            ) from None
+        if current.scheme == "https" and target.scheme != "https":
+            raise UrlRefusedError(
+                f"{current.origin}{current.path} redirected to plain http:// ({target.origin}); redirects must "
+                "stay on HTTPS",
+                reason=ErrorReason.URL_REDIRECT_REFUSED,
+                host=target.host,
+            )
+        self.policy.check(target, redirected_from=f"{current.origin}{current.path}")
+        return target
+
+    def _check_status(self, response, final: UrlName) -> None:
+        status = response.status_code
+        if status == 200:
+            return
+        shown = f"{final.origin}{final.path}"
+        retry_after = _retry_after_s(response.headers.get("retry-after"))
+        retry = {} if retry_after is None else {"retry_after_s": f"{retry_after:g}"}
+        if status in (401, 403):
+            has_token = self.policy.token_for(final.host) is not None
+            hint = (
+                "the server's token for this host (--url-token-file) was refused"
+                if has_token
+                else "give the server a token for this host (--url-token-file), or send a presigned link that has "
+                "not expired"
+            )
+            raise UrlFetchError(
+                f"{shown} answered HTTP {status}: {hint}", reason=ErrorReason.URL_ACCESS_DENIED, http_status=status
+            )
+        if status == 404:
+            raise UrlMissingError(
+                f"{shown} answered HTTP 404: no file there; check the URL", reason=ErrorReason.URL_NOT_FOUND
+            )
+        if status == 410:
+            raise UrlMissingError(
+                f"{shown} answered HTTP 410: the file was removed for good; use another URL",
+                reason=ErrorReason.URL_GONE,
+            )
+        if status == 429:
+            raise UrlUnavailableError(
+                f"{final.origin} answered HTTP 429 (too many requests); retry after a pause",
+                reason=ErrorReason.URL_RATE_LIMITED,
+                **retry,
+            )
+        if 500 <= status <= 599:
+            raise UrlUnavailableError(
+                f"{final.origin} answered HTTP {status} (a server error); retry later",
+                reason=ErrorReason.URL_SERVER_ERROR,
+                http_status=status,
+                **retry,
+            )
+        raise UrlFetchError(
+            f"{shown} answered HTTP {status}, not 200 with the file; check the URL",
+            reason=ErrorReason.URL_HTTP_ERROR,
+            http_status=status,
+        )
+
+    def _check_size(self, url: UrlName, size: int | None, *, so_far: bool = False) -> None:
+        limit = self.max_adapter_bytes
+        if limit and size is not None and size > limit:
+            how_big = f"sent more than {limit} bytes and was cut off" if so_far else f"is {size} bytes"
+            raise AdapterTooLargeError(
+                f"{url.origin}{url.path} {how_big}, over the server's limit of {limit} (--max-adapter-bytes); "
+                "use a smaller rank or fewer layers",
+                file_bytes=size,
+                max_bytes=limit,
+            )
+
+    def _stream(self, url: UrlName, response, progress: DownloadProgress, announced: int | None, deadline) -> str:
+        """Write the body to a partial file and commit it; its sha256."""
+        import httpx
+
+        shown = f"{url.origin}{url.path}"
+        digest = hashlib.sha256()
+        head = b""
+        with self.cache.partial_file() as (partial, handle):
+            try:
+                for chunk in response.iter_raw():  # each read as it comes: the deadline is checked between reads
+                    if len(head) < 9:
+                        head += chunk[:9]
+                    digest.update(chunk)
+                    handle.write(chunk)
+                    progress.done += len(chunk)
+                    self._check_size(url, progress.done, so_far=True)
+                    if time.monotonic() > deadline:
+                        raise _timed_out(url, self.timeouts.deadline_s)
+            except httpx.TimeoutException:
+                raise UrlUnavailableError(
+                    f"{shown} stopped sending after {progress.done} bytes (nothing for {self.timeouts.io_s:g} s, "
+                    "--url-timeout-seconds); retry later",
+                    reason=ErrorReason.URL_TIMED_OUT,
+                ) from None
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                raise _short(url, progress.done, announced) from None
+            if announced is not None and progress.done < announced:
+                raise _short(url, progress.done, announced)
+            if not announced:
+                self.cache.make_room(progress.done)
+            sha256 = digest.hexdigest()
+            if url.sha256 and sha256 != url.sha256:
+                raise UrlFetchError(
+                    f"{shown} gave {progress.done} bytes whose SHA-256 is {sha256}, not the {url.sha256} the name pins "
+                    "(#sha256=); the file changed: pin its new hash or fix the URL",
+                    reason=ErrorReason.URL_CHECKSUM_MISMATCH,
+                    sha256=sha256,
+                )
+            if not looks_like_safetensors(head, progress.done):
+                raise UrlFetchError(
+                    f"{shown} gave {progress.done} bytes that are not a safetensors file (an error page, or another "
+                    "format?); loraswap reads safetensors only",
+                    reason=ErrorReason.URL_NOT_SAFETENSORS,
+                )
+            self.cache.commit(partial, handle, sha256)
+        return sha256
+
+
+def _content_length(response) -> int | None:
+    value = response.headers.get("content-length")
+    if value is None or "chunked" in response.headers.get("transfer-encoding", "").lower():
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def _timed_out(url: UrlName, deadline_s: float) -> UrlUnavailableError:
+    return UrlUnavailableError(
+        f"downloading {url.origin}{url.path} took longer than {deadline_s:g} s (--url-deadline-seconds); retry "
+        "later, or serve it from a faster host",
+        reason=ErrorReason.URL_TIMED_OUT,
+    )
+
+
+def _short(url: UrlName, received: int, announced: int | None) -> UrlUnavailableError:
+    expected = f" of the {announced} its Content-Length announced" if announced else ""
+    return UrlUnavailableError(
+        f"{url.origin}{url.path} ended the body after {received} bytes{expected}; retry",
+        reason=ErrorReason.URL_BODY_SHORT,
+    )

@@ -1,0 +1,165 @@
+"""Which URLs the server may fetch adapters from, which addresses it may connect to, and which token each host gets.
+
+Everything here is decided before a connection is made, from the operator's flags alone:
+
+- `--allow-url-host HOST` (repeatable): https:// to HOST; `*.example.com` allows every subdomain of example.com
+  (not example.com itself). No host allowed: no URL is fetched.
+- `--allow-insecure-url-host HOST`: plain http:// to HOST as well (a test server); https:// to it is allowed too.
+- A host *name* is resolved before connecting, and the connection goes to the address that was checked (no second
+  lookup a rebinding DNS server could answer differently). Addresses that are not global (loopback, private,
+  link-local such as a cloud's metadata endpoint, ...) are refused unless `--allow-url-private-addresses`. A host
+  given as an IP address in the allow list is the operator's explicit choice and is connected to as named.
+- `--url-token-file FILE`: lines `HOST TOKEN` (or `HOST env:VARIABLE`, the token read from the environment);
+  the token goes as `Authorization: Bearer` to that host only, never to a host a redirect leads to.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraswap.server.engine.adapters.url_names import UrlName
+from loraswap.server.engine.errors import (
+    ErrorReason,
+    UrlFetchError,
+    UrlRefusedError,
+    UrlUnavailableError,
+    shorten,
+)
+
+TOKEN_FROM_ENVIRONMENT = "env:"
+
+
+def host_matches(rule: str, host: str) -> bool:
+    """Whether `host` (lower case) is allowed by `rule`: the same name, or under it for a `*.` rule."""
+    rule = rule.lower().strip("[]")
+    if rule.startswith("*."):
+        return host.endswith(rule[1:]) and len(host) > len(rule) - 1
+    return host == rule
+
+
+def check_host_rule(rule: str) -> str:
+    """A --allow-url-host / --allow-insecure-url-host value, lower case; ValueError for one that cannot match."""
+    text = rule.strip().lower()
+    bare = text.removeprefix("*.")
+    if not bare or "/" in bare or ":" in bare.strip("[]") and not _is_ip(bare.strip("[]")) or "*" in bare:
+        raise ValueError(
+            f"URL host {rule!r} is not a host name, '*.'-prefixed domain or IP address (no scheme, port or path)"
+        )
+    return text
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def read_token_file(path: Path, environ=os.environ) -> dict[str, str]:
+    """host rule -> bearer token, from `HOST TOKEN` / `HOST env:VARIABLE` lines ('#' starts a comment).
+
+    Raises ValueError with a line number (never the token) for a line that is not one of those."""
+    tokens: dict[str, str] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        text = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+        if not text:
+            continue
+        parts = text.split()
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{number}: expected `HOST TOKEN` or `HOST env:VARIABLE`")
+        host, token = check_host_rule(parts[0]), parts[1]
+        if token.startswith(TOKEN_FROM_ENVIRONMENT):
+            variable = token.removeprefix(TOKEN_FROM_ENVIRONMENT)
+            if not environ.get(variable):
+                raise ValueError(f"{path}:{number}: the environment variable {variable} for {host} is not set")
+            token = environ[variable]
+        tokens[host] = token
+    return tokens
+
+
+@dataclass(frozen=True)
+class UrlPolicy:
+    """The hosts, addresses and tokens of URL adapters."""
+
+    allowed_hosts: tuple[str, ...] = ()
+    insecure_hosts: tuple[str, ...] = ()
+    allow_private_addresses: bool = False
+    tokens: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allowed_hosts or self.insecure_hosts)
+
+    def host_label(self, host: str) -> str | None:
+        """The rule that allows `host` over https (the metrics' bounded `host` label), or None."""
+        for rule in self.insecure_hosts + self.allowed_hosts:
+            if host_matches(rule, host):
+                return rule
+        return None
+
+    def check(self, url: UrlName, *, redirected_from: str | None = None) -> str:
+        """The host label for a URL this server may fetch; UrlRefusedError (nothing sent) for any other."""
+        via = f" (a redirect from {redirected_from})" if redirected_from else ""
+        where = f"{url.origin}{via}"
+        reason = ErrorReason.URL_REDIRECT_REFUSED if redirected_from else None
+        if not self.enabled:
+            raise UrlRefusedError(
+                f"this server fetches no adapter URLs ({where}); its operator allows hosts with --allow-url-host, "
+                "or name an adapter under its adapter directory",
+                reason=reason or ErrorReason.URL_HOST_NOT_ALLOWED,
+                host=url.host,
+            )
+        if url.scheme == "http" and not any(host_matches(rule, url.host) for rule in self.insecure_hosts):
+            raise UrlRefusedError(
+                f"plain http:// to {where} is refused; serve the adapter over https:// (only hosts named by "
+                "--allow-insecure-url-host, test servers, are fetched over plain HTTP)",
+                reason=reason or ErrorReason.URL_INSECURE_NOT_ALLOWED,
+                host=url.host,
+            )
+        label = self.host_label(url.host)
+        if label is None:
+            raise UrlRefusedError(
+                f"{where} is not a host this server fetches adapters from ({len(self.allowed_hosts)} allowed by "
+                "--allow-url-host); use a URL on an allowed host, or ask the operator to allow this one",
+                reason=reason or ErrorReason.URL_HOST_NOT_ALLOWED,
+                host=url.host,
+            )
+        return label
+
+    def token_for(self, host: str) -> str | None:
+        for rule, token in self.tokens.items():
+            if host_matches(rule, host):
+                return token
+        return None
+
+    def address_for(self, url: UrlName) -> str:
+        """The IP address to connect to for `url`'s host, checked; errors name the host, never the query."""
+        if _is_ip(url.host):
+            return url.host  # allowed as named: an IP in the allow list is the operator's choice
+        try:
+            infos = socket.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            retryable = error.errno in (socket.EAI_AGAIN,)
+            error_class = UrlUnavailableError if retryable else UrlFetchError
+            raise error_class(
+                f"the adapter URL's host {url.host} does not resolve ({error.strerror or 'DNS failure'}); check the "
+                "host name" + (", or retry: the DNS server did not answer" if retryable else ""),
+                reason=ErrorReason.URL_DNS_FAILED,
+                host=url.host,
+            ) from None
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        if not self.allow_private_addresses:
+            private = [address for address in addresses if not ipaddress.ip_address(address).is_global]
+            if private:
+                raise UrlRefusedError(
+                    f"{url.host} resolves to {shorten(', '.join(private), 80)}, not a public address (loopback, "
+                    "private or link-local); the server connects there only with --allow-url-private-addresses",
+                    reason=ErrorReason.URL_ADDRESS_NOT_ALLOWED,
+                    host=url.host,
+                )
+        return addresses[0]
