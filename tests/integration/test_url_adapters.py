@@ -54,8 +54,8 @@ def files(tmp_path_factory) -> Path:
     (root / "page.html").write_text("<!doctype html><title>sign in</title>" * 50)
     (root / "large.safetensors").write_bytes(_shipped("outline").read_bytes() * 3)  # over MAX_ADAPTER_BYTES
     # A safetensors file of a LoRA for no layer of this model: it downloads whole, then fails to load.
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"unet.nowhere.lora_A.weight": torch.zeros(4, 8), "unet.nowhere.lora_B.weight": torch.zeros(8, 4)},
               root / "foreign.safetensors")  # fmt: skip
@@ -258,9 +258,7 @@ REFUSAL_CASES = [
 
 
 @pytest.mark.parametrize("case", REFUSAL_CASES)
-async def test_a_refused_url_leaves_nothing_cached_and_the_model_as_it_was(
-    client, web, untrusted_web, cache_dir, case
-):
+async def test_a_refused_url_leaves_nothing_cached_and_the_model_as_it_was(client, web, untrusted_web, cache_dir, case):
     _, url, code, reason = next(item for item in _refusals(web, untrusted_web) if item[0] == case)
     before = await client.generate_image(PROMPT, adapter="purple", seed=9, num_inference_steps=STEPS)
     listed, disk = await _listed(client), _disk(cache_dir)
@@ -297,9 +295,7 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize(("behaviour", "options", "code", "reason"), HOSTILE, ids=[case[0] for case in HOSTILE])
-async def test_a_hostile_server_is_refused_while_others_are_served(
-    client, cache_dir, behaviour, options, code, reason
-):
+async def test_a_hostile_server_is_refused_while_others_are_served(client, cache_dir, behaviour, options, code, reason):
     before = await client.generate_image(PROMPT, adapter="swap-colors", seed=4, num_inference_steps=STEPS)
     listed, disk = await _listed(client), _disk(cache_dir)
     with HostileHttpServer(behaviour, **options) as hostile:
@@ -356,9 +352,7 @@ async def test_metrics_count_downloads_bytes_and_failures_by_allowed_host(server
     assert ("loraswap_url_downloads_total", (("host", "*.invalid"), ("outcome", "downloaded"))) in after
 
 
-async def test_the_disk_cache_keeps_downloads_across_a_restart_and_sends_tokens_to_their_host_only(
-    web, tmp_path
-):
+async def test_the_disk_cache_keeps_downloads_across_a_restart_and_sends_tokens_to_their_host_only(web, tmp_path):
     """A server allowed private addresses, with a token for localhost: named hosts reached at the address
     checked (SNI and certificate by name), a token only where it belongs, and its downloads kept on disk."""
     tokens = tmp_path / "tokens"

@@ -173,9 +173,7 @@ RETRY_CASES = [
     (access.TokenMissingError("send a token"), None),
     # A URL's server said when to come back (Retry-After): that, and only then.
     (
-        engine_errors.UrlUnavailableError(
-            "429", reason=engine_errors.ErrorReason.URL_RATE_LIMITED, retry_after_s="7"
-        ),
+        engine_errors.UrlUnavailableError("429", reason=engine_errors.ErrorReason.URL_RATE_LIMITED, retry_after_s="7"),
         7.0,
     ),
     (engine_errors.UrlUnavailableError("503", reason=engine_errors.ErrorReason.URL_SERVER_ERROR), None),

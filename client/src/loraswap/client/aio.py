@@ -24,7 +24,7 @@ from loraswap.client.events import (
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
-from loraswap.wire import LORA_METADATA_KEY
+from loraswap.wire import LORA_METADATA_KEY, url_identity
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11+; annotations only, so 3.10 runs without it
@@ -143,7 +143,9 @@ def build_generate_request(prompt: str, **options: Unpack[GenerateOptions]) -> p
     fuse = options.pop("fuse", None)
     encoded_fuse = _FUSE_CHOICE_BY_NAME.get(fuse.lower()) if isinstance(fuse, str) else None
     if fuse is not None and encoded_fuse is None:
-        raise InvalidRequest(f"unknown fuse choice {fuse!r}; use fused or unfused, or leave it out for the server's policy")
+        raise InvalidRequest(
+            f"unknown fuse choice {fuse!r}; use fused or unfused, or leave it out for the server's policy"
+        )
     adapters = options.pop("adapters", None) or ()
     if isinstance(adapters, str):
         raise InvalidRequest(f"adapters must be a list of adapters, not the string {adapters!r}")
@@ -407,7 +409,13 @@ def _adapter_names(request: pb.GenerateRequest) -> tuple[str, ...]:
 
 def _lora_metadata(names: list[str]) -> tuple[tuple[str, str], ...]:
     """("lora", "a,b") for these adapter names; nothing when a name could not travel as a header value (the
-    request's own fields still name the adapters, and the server refuses names outside its grammar)."""
+    request's own fields still name the adapters, and the server refuses names outside its grammar). A URL goes
+    as its identity (loraswap.wire.url_identity): its query, a presigned signature or a token, stays out of the
+    headers that proxies route on and log, and every link to one object routes alike."""
+    try:
+        names = [url_identity(name) if "://" in name else name for name in names]
+    except ValueError:
+        return ()
     value = ",".join(names)
     if not value or len(value) > _MAX_LORA_METADATA_CHARS or any("," in name for name in names):
         return ()

@@ -61,7 +61,7 @@ def public_adapter_name(name: str, links: dict[str, str]) -> str:
     if not is_url_name(name):
         return name
     url = parse_url_name(name)
-    links[url.identity] = name
+    links.setdefault(url.identity, name)  # a request field's full URL over the `lora` metadata's identity
     return url.identity
 
 

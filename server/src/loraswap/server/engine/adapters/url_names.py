@@ -9,37 +9,23 @@ else (the caches, Image.adapter, ListAdapters, errors, logs, metrics, traces) se
     scheme "://" host [":" port] path ["?" 12HEXDIG] ["#sha256=" 64HEXDIG]
 
 The query is left out, save for a digest of the parameters that are not signing or credential parameters
-(SIGNING_PARAMETERS): the links a store signs anew for each request name one identity, while a model site's
+(loraswap.wire.SIGNING_PARAMETERS; clients write the identity too, for the `lora` metadata): the links a store signs anew for each request name one identity, while a model site's
 `?format=SafeTensor&type=Model` stays apart from its `?format=PickleTensor`. An identity given as a name is its
 own identity (a bare 12-hex query is read as a digest already made), so ListAdapters' ids work in Evict.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import urlsplit
 
 from loraswap.server.engine.errors import AdapterNameError, ErrorReason, shorten
+from loraswap.wire import URL_DEFAULT_PORTS, url_identity
 
 URL_SCHEMES = ("https", "http")
 # A presigned link with a session token runs to some 2 KB; the rest is room.
 MAX_URL_NAME_LENGTH = 8192
-DEFAULT_PORTS = {"https": 443, "http": 80}
-# Query parameters that sign or authorise a link rather than choose what it names (case-insensitive): S3 (v4, v2),
-# GCS (v4, v2), Azure SAS, CloudFront, and the usual token parameters of model sites.
-SIGNING_PREFIXES = ("x-amz-", "x-goog-")
-SIGNING_PARAMETERS = frozenset(
-    {
-        "awsaccesskeyid", "signature", "expires", "googleaccessid", "key-pair-id", "policy",
-        "sv", "ss", "srt", "sp", "se", "st", "spr", "sig", "si", "sr", "sdd", "skoid", "sktid", "skt", "ske", "sks",
-        "skv", "saoid", "suoid", "scid", "ses",
-        "token", "access_token", "auth", "api_key", "apikey",
-    }
-)  # fmt: skip
-QUERY_DIGEST_HEX = 12
-_QUERY_DIGEST = re.compile(rf"[0-9a-f]{{{QUERY_DIGEST_HEX}}}")
 _SHA256_FRAGMENT = re.compile(r"sha256=([0-9a-fA-F]{64})")
 _HOST = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
 _FORBIDDEN = re.compile(r"[\x00-\x20\x7f\\]")
@@ -68,21 +54,6 @@ def _refuse(message: str, reason: ErrorReason = ErrorReason.INVALID_ADAPTER_NAME
     return AdapterNameError(message, reason=reason)
 
 
-def _is_signing(parameter: str) -> bool:
-    lowered = parameter.lower()
-    return lowered in SIGNING_PARAMETERS or lowered.startswith(SIGNING_PREFIXES)
-
-
-def query_digest(query: str) -> str:
-    """The identity's stand-in for a query: a digest of its parameters that are not signing ones ("" for none)."""
-    if _QUERY_DIGEST.fullmatch(query):
-        return query  # an identity's digest, given back as a name
-    kept = sorted((key, value) for key, value in parse_qsl(query, keep_blank_values=True) if not _is_signing(key))
-    if not kept:
-        return ""
-    return hashlib.sha256(urlencode(kept).encode()).hexdigest()[:QUERY_DIGEST_HEX]
-
-
 def parse_url_name(name: str) -> UrlName:
     """A url-name parsed, or AdapterNameError saying what to fix. No message ever quotes the query."""
     scheme, _, rest = name.partition("://")
@@ -106,7 +77,7 @@ def parse_url_name(name: str) -> UrlName:
             ErrorReason.URL_CREDENTIALS_IN_NAME,
         )
     try:
-        port = parts.port or DEFAULT_PORTS[scheme]
+        port = parts.port or URL_DEFAULT_PORTS[scheme]
     except ValueError:
         raise _refuse(f"the adapter URL {shown_at} has an invalid port") from None
     host = (parts.hostname or "").lower()
@@ -128,9 +99,8 @@ def parse_url_name(name: str) -> UrlName:
         sha256 = match.group(1).lower()
     path = parts.path or "/"
     shown_host = f"[{host}]" if ":" in host else host
-    origin = f"{scheme}://{shown_host}" + ("" if port == DEFAULT_PORTS[scheme] else f":{port}")
-    digest = query_digest(parts.query)
-    identity = origin + path + (f"?{digest}" if digest else "") + (f"#sha256={sha256}" if sha256 else "")
+    origin = f"{scheme}://{shown_host}" + ("" if port == URL_DEFAULT_PORTS[scheme] else f":{port}")
+    identity = url_identity(name)
     link = name.split("#", 1)[0]
     return UrlName(
         identity=identity, link=link, origin=origin, scheme=scheme, host=host, port=port, path=path, sha256=sha256
