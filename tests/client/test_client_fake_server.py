@@ -556,8 +556,11 @@ async def test_cli_generate_writes_image_and_prints_summary(
         (("--adapter", "hf:owner/repo:style.safetensors"), "hf:owner/repo:style.safetensors", None, []),
         (("--adapter", "ink:0.8", "--adapter", "paper:-0.5"), "", None, [("ink", 0.8), ("paper", -0.5)]),
         (("--adapter", "ink", "--adapter", "hf:o/r@v1:1.5"), "", None, [("ink", None), ("hf:o/r@v1", 1.5)]),
+        (("--adapter", "https://h:8443"), "https://h:8443", None, []),
+        (("--adapter", "https://h:8443/a.safetensors?sig=x:0.5"), "https://h:8443/a.safetensors?sig=x", 0.5, []),
     ],
-    ids=["one", "one-with-scale", "one-name-colon-scale", "hub-reference", "stack", "stack-default-strength"],
+    ids=["one", "one-with-scale", "one-name-colon-scale", "hub-reference", "stack", "stack-default-strength",
+         "url-port", "url-scale"],  # fmt: skip
 )
 async def test_cli_adapter_options_send_one_adapter_or_a_stack(
     target: str, service: FakeDiffusionService, tmp_path: Path, argv, adapter, adapter_scale, stack

@@ -147,8 +147,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _adapter_argument(text: str) -> tuple[str, float | None]:
-    """``NAME`` or ``NAME:SCALE``. Hub references hold colons too, so only a number after the last one is a scale."""
+    """``NAME`` or ``NAME:SCALE``. Hub references hold colons too, so only a number after the last one is a scale;
+    in a URL, only one after its host (``https://host:8443`` is a port)."""
     name, colon, suffix = text.rpartition(":")
+    if "://" in name and "/" not in name.split("://", 1)[1]:
+        return text, None
     if colon and name:
         try:
             return name, float(suffix)
