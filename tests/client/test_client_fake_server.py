@@ -559,8 +559,16 @@ async def test_cli_generate_writes_image_and_prints_summary(
         (("--adapter", "https://h:8443"), "https://h:8443", None, []),
         (("--adapter", "https://h:8443/a.safetensors?sig=x:0.5"), "https://h:8443/a.safetensors?sig=x", 0.5, []),
     ],
-    ids=["one", "one-with-scale", "one-name-colon-scale", "hub-reference", "stack", "stack-default-strength",
-         "url-port", "url-scale"],  # fmt: skip
+    ids=[
+        "one",
+        "one-with-scale",
+        "one-name-colon-scale",
+        "hub-reference",
+        "stack",
+        "stack-default-strength",
+        "url-port",
+        "url-scale",
+    ],
 )
 async def test_cli_adapter_options_send_one_adapter_or_a_stack(
     target: str, service: FakeDiffusionService, tmp_path: Path, argv, adapter, adapter_scale, stack

@@ -319,6 +319,34 @@ async def test_a_hostile_server_is_refused_while_others_are_served(client, cache
     assert _disk(cache_dir) == disk
 
 
+async def test_slow_downloads_hold_up_no_local_load(client):
+    """More slow hosts than URL loader threads: a local adapter not in the cache still loads at once."""
+    with HostileHttpServer("trickle", size=1_000, interval=0.3) as slow:
+        stalled = [
+            asyncio.ensure_future(
+                client.generate_image(PROMPT, adapter=f"{slow.url}/slow-{index}.safetensors", num_inference_steps=1)
+            )
+            for index in range(6)
+        ]
+        await asyncio.sleep(0.5)  # every download under way (or queued for a thread)
+        if "outline" in await _listed(client):
+            await client.evict("outline")
+        started = time.monotonic()
+        cold = await client.generate_image(PROMPT, adapter="outline", num_inference_steps=1)
+        assert cold.timings.adapter_load_ms > 0 and time.monotonic() - started < DEADLINE_S / 2
+        assert not any(task.done() for task in stalled)
+        results = await asyncio.gather(*stalled, return_exceptions=True)
+    assert {getattr(result, "reason", None) for result in results} == {"URL_TIMED_OUT"}
+
+
+async def test_an_identity_without_its_query_is_not_fetched(client, web):
+    identity = web.url("/files/outline.safetensors") + "?0123456789ab"  # a digest where a query was
+    with pytest.raises(LoraswapError) as refused:
+        await client.preload_adapter(identity)
+    assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ADAPTER_NAME")
+    assert "send the full URL" in refused.value.message
+
+
 async def test_a_slow_download_reports_its_bytes_in_queued_events(client, cache_dir):
     disk = _disk(cache_dir)
     with HostileHttpServer("trickle", size=10, interval=0.25) as slow:
@@ -373,10 +401,14 @@ async def test_the_disk_cache_keeps_downloads_across_a_restart_and_sends_tokens_
             await client.preload_adapter(redirect)
         assert refused.value.reason == "URL_ACCESS_DENIED"
     logged_before = len(web.logged())
-    async with serving("shapes", None, **options) as running, client_of(running) as client:
-        again = await client.preload_adapter(private)
-        assert not again.already_cached and again.download_bytes == 0  # revalidated: 304, the file on disk
-        assert (await client.preload_adapter(pinned)).download_bytes == 0
+    # Started again with the same disk cache, preloading both: one revalidation (304, no body), no request at all
+    # for the pinned one.
+    async with serving("shapes", None, preload=(private, pinned), **options) as running, client_of(running) as client:
+        listed = {adapter.id: adapter for adapter in (await client.list_adapters()).adapters}
+        assert set(listed) == {private, pinned.replace("#sha256=", "#sha256=")}
+        assert (await client.generate_image(PROMPT, adapter=private, seed=1, num_inference_steps=STEPS)).data == (
+            local.data
+        )
     after = web.logged()[logged_before:]
     assert [(entry.path, entry.status) for entry in after] == [("/private/outline-5.safetensors", 304)]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from loraswap.adapter_urls import url_identity
 from loraswap.client.aio import _lora_metadata
 from loraswap.server.engine.adapters.url_names import loggable_name, parse_url_name, public_name
 from loraswap.server.engine.adapters.url_policy import UrlPolicy, check_host_rule, host_matches
 from loraswap.server.engine.errors import AdapterNameError, UrlRefusedError
-from loraswap.wire import url_identity
 
 SECRET = "SECRETSIGNATURE"
 S3 = "https://bucket.s3.us-east-1.amazonaws.com/loras/ink.safetensors"

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import grpc
 
+from loraswap.adapter_urls import url_identity
 from loraswap.client.connection import TlsConfig, open_channel
 from loraswap.client.errors import InternalError, InvalidRequest, LoraswapError, error_from_rpc
 from loraswap.client.events import (
@@ -24,7 +25,7 @@ from loraswap.client.events import (
 )
 from loraswap.v1 import diffusion_service_pb2 as pb
 from loraswap.v1 import diffusion_service_pb2_grpc as pb_grpc
-from loraswap.wire import LORA_METADATA_KEY, url_identity
+from loraswap.wire import LORA_METADATA_KEY
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11+; annotations only, so 3.10 runs without it
@@ -410,7 +411,7 @@ def _adapter_names(request: pb.GenerateRequest) -> tuple[str, ...]:
 def _lora_metadata(names: list[str]) -> tuple[tuple[str, str], ...]:
     """("lora", "a,b") for these adapter names; nothing when a name could not travel as a header value (the
     request's own fields still name the adapters, and the server refuses names outside its grammar). A URL goes
-    as its identity (loraswap.wire.url_identity): its query, a presigned signature or a token, stays out of the
+    as its identity (loraswap.adapter_urls.url_identity): its query, a presigned signature or a token, stays out of the
     headers that proxies route on and log, and every link to one object routes alike."""
     try:
         names = [url_identity(name) if "://" in name else name for name in names]

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 # Adapter loads that may run at once, so that a slow or huge one does not hold up the others. Each holds its file
 # (at most --max-adapter-bytes) in memory a few times over while it decodes it: this also bounds what cold loads take.
 ADAPTER_LOAD_THREADS = 4
+# URL adapters download (then read and convert) on threads of their own, so that slow hosts hold up no local load.
+URL_LOAD_THREADS = 4
 # How often a Generate waiting on a URL adapter's download reports its bytes (a Queued event when they changed).
 DOWNLOAD_PROGRESS_EVERY_S = 0.5
 
@@ -80,7 +82,14 @@ class DiffusionEngine:
         # Adapters declaring another base are refused before their tensors are read.
         self._base_models = BaseModelPolicy(served_base_model(config.model), config.allow_base)
         self._loader_pool = ThreadPoolExecutor(max_workers=ADAPTER_LOAD_THREADS, thread_name_prefix="loraswap-loader")
-        self._cache = AdapterCache(config.adapter_cache_bytes, self._load_adapter, self._loader_pool, observer)
+        self._url_pool = ThreadPoolExecutor(max_workers=URL_LOAD_THREADS, thread_name_prefix="loraswap-url-loader")
+        self._cache = AdapterCache(
+            config.adapter_cache_bytes,
+            self._load_adapter,
+            self._loader_pool,
+            observer,
+            executor_for=lambda name: self._url_pool if is_url_name(name) else self._loader_pool,
+        )
         self._scheduler = GenerationScheduler(
             functools.partial(start_runtime, config), config.max_queue, config.max_bypass, observer
         )
@@ -209,8 +218,11 @@ class DiffusionEngine:
                 (scheduler.py says why).
         """
         self._scheduler.stop()
-        # Loads under way finish on their threads (they end then); those not begun are dropped.
+        # Loads under way finish on their threads (they end then; a download at its next read); those not begun
+        # are dropped.
+        self._sources.close()
         self._loader_pool.shutdown(wait=False, cancel_futures=True)
+        self._url_pool.shutdown(wait=False, cancel_futures=True)
         loop = asyncio.get_running_loop()
         ends_at = None if timeout is None else loop.time() + timeout
         while self._scheduler.worker_alive:  # polled, not joined: the caller may stop waiting (a second signal)
@@ -311,7 +323,11 @@ class DiffusionEngine:
         for applied in params.adapters:
             self._sources.check(applied.adapter)
         self._note_links(links)
-        return [self._cache.get_or_load(applied.adapter) for applied in params.adapters]
+        loads = [self._cache.get_or_load(applied.adapter) for applied in params.adapters]
+        for applied, (_, cached) in zip(params.adapters, loads):
+            if cached:  # no load will use its link
+                self._sources.forget_link(applied.adapter)
+        return loads
 
     async def _download_progress(self, params: GenerationParams, stacking: asyncio.Future) -> AsyncIterator[Queued]:
         """Queued events with the bytes of the request's URL downloads, each time they changed, until the stack is
@@ -474,9 +490,16 @@ def url_adapter_source(config: EngineConfig, observer: EngineObserver):
         allow_private_addresses=config.allow_url_private_addresses,
         tokens=read_token_file(config.url_token_file) if config.url_token_file else {},
     )
+    try:
+        cache = DownloadCache(config.download_cache_dir, config.adapter_cache_dir_bytes)
+    except OSError as error:
+        raise StartupError(
+            f"--adapter-cache-dir {config.download_cache_dir}: cannot be made or written ({error.strerror}); give a "
+            "writable folder"
+        ) from None
     return UrlAdapterSource(
         policy,
-        DownloadCache(config.download_cache_dir, config.adapter_cache_dir_bytes),
+        cache,
         max_adapter_bytes=config.max_adapter_bytes,
         ca_file=config.url_ca_file,
         timeouts=UrlTimeouts(io_s=config.url_timeout_seconds, deadline_s=config.url_deadline_seconds),

@@ -49,11 +49,14 @@ class AdapterCache:
         loader: Callable[[str], CanonicalAdapter],
         executor: Executor,
         observer: EngineObserver = NO_OBSERVER,
+        *,
+        executor_for: Callable[[str], Executor] | None = None,
     ) -> None:
+        """`executor_for(name)`, when given, picks the executor each name loads on (URL downloads apart)."""
         self.budget_bytes = budget_bytes
         self._observer = observer
         self._loader = loader
-        self._executor = executor
+        self._executor_for = executor_for or (lambda name: executor)
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._loading: dict[str, Future] = {}
@@ -80,7 +83,7 @@ class AdapterCache:
             if entry is None:
                 pending = self._loading.get(name)
                 if pending is None:
-                    pending = self._executor.submit(self._load, name)
+                    pending = self._executor_for(name).submit(self._load, name)
                     self._loading[name] = pending
             else:
                 self._entries.move_to_end(name)

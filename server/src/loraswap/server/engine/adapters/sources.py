@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraswap.adapter_urls import url_identity
 from loraswap.server.engine.adapters.url_names import is_url_name, parse_url_name
 from loraswap.server.engine.errors import (
     AdapterFormatError,
@@ -334,6 +335,16 @@ class AdapterSources:
         with self._lock:
             self._links[identity] = link
 
+    def forget_link(self, identity: str) -> None:
+        """Drop a link no load will use (its adapter was cached)."""
+        with self._lock:
+            self._links.pop(identity, None)
+
+    def close(self) -> None:
+        """Stop downloads under way at their next read (the engine stops)."""
+        if self.urls is not None:
+            self.urls.close()
+
     def download_progress(self, name: str) -> DownloadProgress | None:
         """The download of URL adapter `name` under way now, or None."""
         return self.urls.progress(name) if self.urls is not None and is_url_name(name) else None
@@ -380,7 +391,9 @@ class AdapterSources:
         if url.identity != parse_url_name(identity).identity:
             raise AdapterNameError(f"the link kept for {identity} names another identity")  # never: note_link's
         pinned_on_disk = url.sha256 is not None and self.urls.cache is not None and self.urls.cache.has(url.sha256)
-        if link is None and "?" in identity.split("#")[0] and not pinned_on_disk:
+        # An identity given as the name (no link came with it) has a digest where its query was: not fetchable.
+        digest_only = "?" in url.link and url_identity(url.link) == url.link
+        if digest_only and not pinned_on_disk:
             raise AdapterNameError(
                 f"{identity} is a URL identity whose query was left out; send the full URL (its query is never "
                 "shown), or pin the file with #sha256="

@@ -129,6 +129,11 @@ class UrlAdapterSource:
         self._lock = threading.Lock()
         self._progress: dict[str, DownloadProgress] = {}
         self._client = None
+        self._stopping = threading.Event()
+
+    def close(self) -> None:
+        """Stop: downloads under way end at their next read (UrlUnavailableError), and no new one starts."""
+        self._stopping.set()
 
     def _http(self):
         import httpx
@@ -152,6 +157,10 @@ class UrlAdapterSource:
     def fetch(self, url: UrlName) -> AdapterFile:
         """A local file holding the adapter `url` names, downloaded if need be (on a loader thread)."""
         label = self.policy.check(url)
+        if self._stopping.is_set():
+            raise UrlUnavailableError(
+                "the server is stopping; retry on another replica", reason=ErrorReason.URL_CONNECT_FAILED
+            )
         if self.cache is None:
             raise UrlRefusedError("this server has no --adapter-cache-dir to download adapters into")
         started = time.perf_counter()
@@ -405,6 +414,11 @@ class UrlAdapterSource:
                     self._check_size(url, progress.done, so_far=True)
                     if time.monotonic() > deadline:
                         raise _timed_out(url, self.timeouts.deadline_s)
+                    if self._stopping.is_set():
+                        raise UrlUnavailableError(
+                            f"the server stopped while downloading {shown}; retry on another replica",
+                            reason=ErrorReason.URL_CONNECT_FAILED,
+                        )
             except httpx.TimeoutException:
                 raise UrlUnavailableError(
                     f"{shown} stopped sending after {progress.done} bytes (nothing for {self.timeouts.io_s:g} s, "

@@ -9,7 +9,7 @@ else (the caches, Image.adapter, ListAdapters, errors, logs, metrics, traces) se
     scheme "://" host [":" port] path ["?" 12HEXDIG] ["#sha256=" 64HEXDIG]
 
 The query is left out, save for a digest of the parameters that are not signing or credential parameters
-(loraswap.wire.SIGNING_PARAMETERS; clients write the identity too, for the `lora` metadata): the links a store signs anew for each request name one identity, while a model site's
+(loraswap.adapter_urls.SIGNING_PARAMETERS; clients write the identity too, for the `lora` metadata): the links a store signs anew for each request name one identity, while a model site's
 `?format=SafeTensor&type=Model` stays apart from its `?format=PickleTensor`. An identity given as a name is its
 own identity (a bare 12-hex query is read as a digest already made), so ListAdapters' ids work in Evict.
 """
@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from loraswap.adapter_urls import URL_DEFAULT_PORTS, url_identity
 from loraswap.server.engine.errors import AdapterNameError, ErrorReason, shorten
-from loraswap.wire import URL_DEFAULT_PORTS, url_identity
 
 URL_SCHEMES = ("https", "http")
 # A presigned link with a session token runs to some 2 KB; the rest is room.
