@@ -43,6 +43,9 @@ EXPOSED = {
     "loraswap_errors_total": "counter",
     "loraswap_adapter_requests_total": "counter",
     "loraswap_build_info": "gauge",
+    "loraswap_url_downloads_total": "counter",
+    "loraswap_url_download_bytes_total": "counter",
+    "loraswap_url_download_failures_total": "counter",
 }
 
 
