@@ -339,6 +339,41 @@ async def test_slow_downloads_hold_up_no_local_load(client):
     assert {getattr(result, "reason", None) for result in results} == {"URL_TIMED_OUT"}
 
 
+async def test_a_caller_that_gives_up_on_a_queued_download_breaks_it_for_no_one(client, web):
+    """Every URL loader thread busy with a slow host; a request for another URL waits for a thread, and its caller
+    gives up (a short deadline). The load they shared is not cancelled for the next caller."""
+    url = web.url("/files/swap-colors-3.safetensors")
+    with HostileHttpServer("trickle", size=1_000, interval=0.3) as slow:
+        stalled = [
+            asyncio.ensure_future(
+                client.generate_image(PROMPT, adapter=f"{slow.url}/busy-{index}.safetensors", num_inference_steps=1)
+            )
+            for index in range(4)
+        ]
+        await asyncio.sleep(0.5)
+        with pytest.raises(LoraswapError) as gave_up:
+            await client.generate_image(PROMPT, adapter=url, num_inference_steps=1, timeout=0.5)
+        assert gave_up.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.gather(*stalled, return_exceptions=True)
+    image = await client.generate_image(PROMPT, adapter=url, seed=6, num_inference_steps=STEPS)
+    local = await client.generate_image(PROMPT, adapter="swap-colors", seed=6, num_inference_steps=STEPS)
+    assert image.data == local.data
+
+
+async def test_no_cookie_a_host_sets_is_sent_anywhere(client):
+    with HostileHttpServer("status", status=404) as second:
+        headers = {"Set-Cookie": f"session={SECRET}; Path=/", "Location": second.url + "/next.safetensors"}
+        with HostileHttpServer("status", status=302, headers=headers) as first:
+            with pytest.raises(LoraswapError) as refused:
+                await client.preload_adapter(first.url + "/a.safetensors")
+            assert refused.value.reason == "URL_NOT_FOUND"
+            with pytest.raises(LoraswapError):
+                await client.preload_adapter(first.url + "/again.safetensors")
+        received = first.received + second.received
+    assert len(received) == 4
+    assert not [request for request in received if "cookie" in request.headers]
+
+
 async def test_an_identity_without_its_query_is_not_fetched(client, web):
     identity = web.url("/files/outline.safetensors") + "?0123456789ab"  # a digest where a query was
     with pytest.raises(LoraswapError) as refused:

@@ -324,3 +324,7 @@ def test_the_url_token_file_is_read_at_start_and_never_quoted(tmp_path, monkeypa
     assert "hf_secret" not in str(refused.value)
     with pytest.raises(SettingsError, match="--url-token-file"):
         _settings(["--url-token-file", str(tmp_path / "missing")])
+    tokens.write_text("abc/def:ghi== huggingface.co\n")  # the fields swapped: the token is never quoted
+    with pytest.raises(SettingsError, match=":1: the first field") as refused:
+        _settings(["--url-token-file", str(tokens)])
+    assert "abc/def" not in str(refused.value)

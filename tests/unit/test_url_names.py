@@ -64,6 +64,12 @@ REFUSED = [
     ("https://bad_host.com/a", "INVALID_ADAPTER_NAME"),
     (f"https://example.com/a?token={SECRET}#section", "INVALID_ADAPTER_NAME"),
     ("https://example.com/" + "a" * 9000, "INVALID_ADAPTER_NAME"),
+    ("https://[::1/x", "INVALID_ADAPTER_NAME"),
+    ("https://[1.2.3.4]/x", "INVALID_ADAPTER_NAME"),
+    ("https://[v1.abc]/x", "INVALID_ADAPTER_NAME"),
+    ("https://" + "a" * 64 + ".example.com/x", "INVALID_ADAPTER_NAME"),
+    ("https://example.com/caf\u00e9.safetensors", "INVALID_ADAPTER_NAME"),
+    ("https://example.com./x", "INVALID_ADAPTER_NAME"),
 ]
 
 
@@ -112,3 +118,15 @@ def test_the_policy_refuses_before_any_connection() -> None:
 def test_a_client_routes_a_url_by_its_identity_never_its_query() -> None:
     url = f"{S3}?X-Amz-Signature={SECRET}"
     assert _lora_metadata([url, "outline"]) == (("lora", f"{S3},outline"),)
+
+
+def test_a_comma_inside_a_urls_query_does_not_split_it() -> None:
+    from loraswap.server.engine.adapters.sources import split_names
+
+    assert split_names(f"https://h/x?a=1,sig={SECRET}, outline,hf:o/r@v:f.safetensors,https://b/y") == (
+        f"https://h/x?a=1,sig={SECRET}",
+        "outline",
+        "hf:o/r@v:f.safetensors",
+        "https://b/y",
+    )
+    assert split_names("outline, ,purple") == ("outline", "purple")

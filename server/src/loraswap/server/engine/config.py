@@ -93,6 +93,13 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+def adapter_names(text: str) -> tuple[str, ...]:
+    """`a, b,,https://h/x?a=1,2` -> ("a", "b", "https://h/x?a=1,2"): a URL's query keeps its commas."""
+    from loraswap.server.engine.adapters.sources import split_names
+
+    return split_names(text)
+
+
 def url_host(text: str) -> str:
     """One --allow-url-host value: a host name, `*.domain` or IP address, lower case."""
     from loraswap.server.engine.adapters.url_policy import check_host_rule
@@ -300,13 +307,13 @@ class EngineConfig:
     preload: tuple[str, ...] = setting(
         (),
         "comma-separated adapters to load before the server turns SERVING; start-up fails on one it cannot load",
-        parse=names,
+        parse=adapter_names,
         metavar="NAME,...",
     )
     pin: tuple[str, ...] = setting(
         (),
         "comma-separated adapters to preload and keep out of LRU eviction (Evict refuses them)",
-        parse=names,
+        parse=adapter_names,
         metavar="NAME,...",
     )
     max_queue: int = setting(64, "most requests that may wait", parse=int)

@@ -136,8 +136,7 @@ class DiffusionEngine:
                 flag = "--pin" if name in pins else "--preload"
                 try:
                     self._sources.check(name)
-                    self._note_links(self._configured_links)
-                    entry, load_ms = await self._cached(name)
+                    entry, load_ms = await self._cached(name, self._configured_links.get(name))
                 except EngineError as error:
                     raise StartupError(f"{flag} {shorten(name)!r}: {error.message}") from error
                 log.info("%s %s: %d bytes, loaded in %.0f ms", flag, name, entry.adapter.nbytes, load_ms)
@@ -159,10 +158,6 @@ class DiffusionEngine:
         if is_url_name(name):
             self._configured_links[identity] = name
         return identity
-
-    def _note_links(self, links) -> None:
-        for identity, link in links.items():
-            self._sources.note_link(identity, link)
 
     @property
     def sources(self) -> AdapterSources:
@@ -253,6 +248,8 @@ class DiffusionEngine:
             stack, load_ms, warnings = await stacking
         finally:
             stacking.cancel()
+            if stacking.done() and not stacking.cancelled():
+                stacking.exception()  # retrieved: a failure the caller no longer waits for is not logged as lost
         self._check_fuse_choice(params, stack)
         warnings += rules.warnings(params)
 
@@ -322,12 +319,7 @@ class DiffusionEngine:
         """
         for applied in params.adapters:
             self._sources.check(applied.adapter)
-        self._note_links(links)
-        loads = [self._cache.get_or_load(applied.adapter) for applied in params.adapters]
-        for applied, (_, cached) in zip(params.adapters, loads):
-            if cached:  # no load will use its link
-                self._sources.forget_link(applied.adapter)
-        return loads
+        return [self._cache.get_or_load(applied.adapter, links.get(applied.adapter)) for applied in params.adapters]
 
     async def _download_progress(self, params: GenerationParams, stacking: asyncio.Future) -> AsyncIterator[Queued]:
         """Queued events with the bytes of the request's URL downloads, each time they changed, until the stack is
@@ -388,24 +380,22 @@ class DiffusionEngine:
 
     # -- adapters -------------------------------------------------------------------------------------
 
-    def _load_adapter(self, name: str) -> CanonicalAdapter:
-        """Resolve, read, convert and validate; runs on the loader thread."""
+    def _load_adapter(self, name: str, link: str | None = None) -> CanonicalAdapter:
+        """Resolve (a URL adapter from `link`, its full URL), read, convert and validate; runs on a loader thread."""
         if self._slot_spec is None:
             raise NotServingError("the server is still starting; retry")
-        found = self._sources.resolve(name)
+        found = self._sources.resolve(name, link)
         with self._sources.holding(found):  # a downloaded file that is no usable adapter does not stay on disk
             return load_canonical(found, self._slot_spec, self._base_models)
 
-    async def _cached(self, name: str) -> tuple[CacheEntry, float]:
-        return await _entry(*self._cache.get_or_load(name))
+    async def _cached(self, name: str, link: str | None = None) -> tuple[CacheEntry, float]:
+        return await _entry(*self._cache.get_or_load(name, link))
 
     async def preload(self, name: str, link: str | None = None) -> PreloadResult:
         """Make an adapter ready in the cache; idempotent. `link`: a URL adapter's full URL (`name` its identity)."""
         self._require_runtime()
         self._sources.check(name)
-        if link is not None:
-            self._sources.note_link(name, link)
-        entry, load_ms = await self._cached(name)
+        entry, load_ms = await self._cached(name, link)
         loaded = load_ms != 0.0
         adapter = entry.adapter
         return PreloadResult(
@@ -472,7 +462,11 @@ class DiffusionEngine:
 
 async def _entry(future: Future, hit: bool) -> tuple[CacheEntry, float]:
     """The cache entry a get_or_load future gives, and the ms its load took (0 when it was cached)."""
-    entry = await asyncio.wrap_future(future)
+    # Shielded: a caller that goes away (a cancelled Generate) must not cancel a load that others share; the
+    # failure of a load nobody waits for any more is retrieved, not logged as lost.
+    shared = asyncio.wrap_future(future)
+    shared.add_done_callback(lambda done: done.cancelled() or done.exception())
+    entry = await asyncio.shield(shared)
     return entry, 0.0 if hit else entry.adapter.download_ms + entry.adapter.load_ms
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from loraswap.server.engine.adapters.sources import split_names
 from loraswap.server.engine.adapters.url_names import is_url_name, parse_url_name
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
@@ -116,7 +117,7 @@ def lora_names(metadata) -> tuple[str, ...]:
     for key, value in metadata or ():
         if key == LORA_METADATA_KEY:
             text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-            return tuple(name.strip() for name in text.split(",") if name.strip())
+            return split_names(text)
     return ()
 
 

@@ -76,14 +76,17 @@ class AdapterCache:
             entry.adapter.nbytes for name, entry in self._entries.items() if name in self._pinned and name != besides
         )
 
-    def get_or_load(self, name: str) -> tuple[Future, bool]:
-        """A future of the entry for `name`, and whether it was already cached (no load needed)."""
+    def get_or_load(self, name: str, link: str | None = None) -> tuple[Future, bool]:
+        """A future of the entry for `name`, and whether it was already cached (no load needed). `link`: what the
+        loader is given beside the name when a load starts (a URL adapter's full URL); a load joined ignores it."""
         with self._lock:
             entry = self._entries.get(name)
             if entry is None:
                 pending = self._loading.get(name)
                 if pending is None:
-                    pending = self._executor_for(name).submit(self._load, name)
+                    pending = self._executor_for(name).submit(self._load, name, link)
+                    # A load cancelled before it began (its callers gone, a shutdown) must not stay the name's load.
+                    pending.add_done_callback(lambda done, name=name: self._forget_cancelled(name, done))
                     self._loading[name] = pending
             else:
                 self._entries.move_to_end(name)
@@ -93,9 +96,15 @@ class AdapterCache:
         self._observer.cache_lookup(hit=entry is not None)
         return pending, entry is not None
 
-    def _load(self, name: str) -> CacheEntry:
+    def _forget_cancelled(self, name: str, done: Future) -> None:
+        if done.cancelled():
+            with self._lock:
+                if self._loading.get(name) is done:
+                    del self._loading[name]
+
+    def _load(self, name: str, link: str | None = None) -> CacheEntry:
         try:
-            adapter = self._loader(name)
+            adapter = self._loader(name) if link is None else self._loader(name, link)
             if self.budget_bytes and adapter.nbytes > self.budget_bytes:
                 raise AdapterTooLargeError(
                     f"adapter {shorten(name)!r} takes {adapter.nbytes} bytes in canonical form, more than the whole "

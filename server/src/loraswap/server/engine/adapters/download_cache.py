@@ -6,8 +6,9 @@
 
 A download is written under partial/, checked, fsynced and renamed into sha256/ whole, so a file there is always
 complete. Under a byte budget (--adapter-cache-dir-bytes) the least recently used files go first to make room
-for a new download, never one being read at that moment; when even that leaves no room, or the disk itself is
-full, the download is refused (DISK_CACHE_FULL) and nothing of it stays.
+for a new download, never one being read or used in the last minute; when even that leaves no room, or the disk
+itself is full, the download is refused (DISK_CACHE_FULL) and nothing of it stays. One server owns the folder:
+it empties partial/ at start-up, and what it reads is known to it alone.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -64,8 +65,12 @@ class DownloadCache:
         for leftover in self._partial.iterdir():  # a download cut off by a crash or a kill
             with contextlib.suppress(OSError):
                 leftover.unlink()
+        probe = self._partial / f"probe-{os.getpid()}"
+        probe.write_bytes(b"")  # OSError now, at start-up, for a folder this process cannot write
+        probe.unlink()
         self._lock = threading.Lock()
         self._reading: dict[str, int] = {}
+        self._reserved = 0  # bytes that downloads under way were given room for
 
     # -- content files ---------------------------------------------------------------------------------------
 
@@ -75,21 +80,32 @@ class DownloadCache:
     def has(self, sha256: str) -> bool:
         return self.path_of(sha256).is_file()
 
-    @contextlib.contextmanager
-    def reading(self, sha256: str) -> Iterator[Path]:
-        """The file of `sha256`, kept from eviction while the block reads it; its use time is now."""
+    def claim(self, sha256: str) -> bool:
+        """Whether the file of `sha256` is here; if so it is kept from eviction until `release` (its reader's
+        `reading` block takes over), and its use time is now."""
         with self._lock:
+            try:
+                os.utime(self.path_of(sha256))
+            except OSError:
+                return False
             self._reading[sha256] = self._reading.get(sha256, 0) + 1
-        path = self.path_of(sha256)
-        with contextlib.suppress(OSError):
-            os.utime(path)
+            return True
+
+    def release(self, sha256: str) -> None:
+        """End a `claim`."""
+        with self._lock:
+            self._reading[sha256] -= 1
+            if not self._reading[sha256]:
+                del self._reading[sha256]
+
+    @contextlib.contextmanager
+    def reading(self, claimed_sha256: str) -> Iterator[Path]:
+        """The file of a claimed `sha256` (UrlAdapterSource.fetch claims what it returns), kept from eviction while
+        the block reads it; released when it ends."""
         try:
-            yield path
+            yield self.path_of(claimed_sha256)
         finally:
-            with self._lock:
-                self._reading[sha256] -= 1
-                if not self._reading[sha256]:
-                    del self._reading[sha256]
+            self.release(claimed_sha256)
 
     def discard(self, sha256: str) -> None:
         """Remove a content file (one that downloaded whole but is not a usable adapter)."""
@@ -103,9 +119,21 @@ class DownloadCache:
                 total += path.stat().st_size
         return total
 
-    def make_room(self, needed: int) -> None:
-        """Remove least recently used files (none being read) until `needed` more bytes fit the budget."""
-        if not self.budget_bytes:
+    @contextlib.contextmanager
+    def room(self, needed: int) -> Iterator[None]:
+        """Room for a download of `needed` bytes (its Content-Length; 0: not announced), held until the block ends,
+        so that downloads side by side do not overrun the budget together."""
+        self.make_room(needed, reserve=True)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reserved -= needed
+
+    def make_room(self, needed: int, *, reserve: bool = False) -> None:
+        """Remove least recently used files (none claimed or being read) until `needed` more
+        bytes, beside the room downloads under way hold, fit the budget; DISK_CACHE_FULL when they cannot."""
+        if not self.budget_bytes or not needed:
             return
         if needed > self.budget_bytes:
             raise disk_full_error(needed, self.budget_bytes)
@@ -115,7 +143,7 @@ class DownloadCache:
                 with contextlib.suppress(OSError):
                     stat = path.stat()
                     files.append((stat.st_mtime, stat.st_size, path))
-            total = sum(size for _, size, _ in files)
+            total = sum(size for _, size, _ in files) + self._reserved
             for _, size, path in sorted(files):
                 if total + needed <= self.budget_bytes:
                     break
@@ -126,11 +154,13 @@ class DownloadCache:
                     total -= size
             if total + needed > self.budget_bytes:
                 raise disk_full_error(needed, self.budget_bytes)
+            if reserve:
+                self._reserved += needed
 
     @contextlib.contextmanager
     def partial_file(self) -> Iterator[tuple[Path, object]]:
         """A new file under partial/, open for writing; removed on the way out unless committed (renamed)."""
-        path = self._partial / f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}.part"
+        path = self._partial / f"{os.getpid()}-{secrets.token_hex(8)}.part"
         try:
             with path.open("wb") as handle:
                 yield path, handle
@@ -143,12 +173,13 @@ class DownloadCache:
                 path.unlink()
 
     def commit(self, partial: Path, handle, sha256: str) -> Path:
-        """Make a finished download the content file of `sha256` (fsynced, then renamed in one step)."""
+        """Make a finished download the content file of `sha256` (fsynced, then renamed in one step), claimed."""
         handle.flush()
         os.fsync(handle.fileno())
         target = self.path_of(sha256)
         with self._lock:
             os.replace(partial, target)
+            self._reading[sha256] = self._reading.get(sha256, 0) + 1  # claimed for its reader, as `claim` does
         return target
 
     # -- URL records -----------------------------------------------------------------------------------------
@@ -169,7 +200,7 @@ class DownloadCache:
 
     def write_record(self, record: UrlRecord) -> None:
         path = self._record_path(record.identity)
-        temporary = path.with_suffix(f".{threading.get_ident()}.tmp")
+        temporary = path.with_suffix(f".{os.getpid()}-{secrets.token_hex(4)}.tmp")
         temporary.write_text(json.dumps(asdict(record)), encoding="utf-8")
         os.replace(temporary, path)
 

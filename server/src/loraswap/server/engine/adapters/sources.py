@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +70,21 @@ class HubRef:
     repo_id: str
     revision: str | None
     weight_name: str | None
+
+
+def split_names(text: str) -> tuple[str, ...]:
+    """Comma-separated adapter names (the `lora` metadata, --pin, --preload): a ',' inside a URL's query does not
+    split it when what follows is no local name or hub-ref of its own (so no piece of a query is echoed as one)."""
+    names: list[str] = []
+    for piece in (piece.strip() for piece in text.split(",")):
+        if not piece:
+            continue
+        own_name = is_url_name(piece) or _LOCAL_NAME.fullmatch(piece) or parse_hub_ref(piece) is not None
+        if names and is_url_name(names[-1]) and not own_name:
+            names[-1] += "," + piece
+        else:
+            names.append(piece)
+    return tuple(names)
 
 
 def parse_hub_ref(name: str) -> HubRef | None:
@@ -302,8 +316,8 @@ class AdapterSources:
     """Resolves an adapter name to a local file: a URL through its fetcher, else the adapter directory first, then
     the Hub.
 
-    URL adapters are named by their public identity (url_names.py); the link a request came with is kept here,
-    newest first, for the fetcher alone (`note_link`), and dropped once a load has used it.
+    URL adapters are named by their public identity (url_names.py); the full URL a request came with (the link)
+    is handed to `resolve` beside it, for the fetcher alone.
     """
 
     def __init__(
@@ -312,8 +326,6 @@ class AdapterSources:
         self.local = local
         self.hub = hub
         self.urls = urls
-        self._links: dict[str, str] = {}
-        self._lock = threading.Lock()
 
     def check(self, name: str) -> None:
         """Refuse, before anything is loaded or sent, a name that breaks the grammar or a URL this server may not
@@ -330,16 +342,6 @@ class AdapterSources:
                 )
             self.urls.check(parse_url_name(name))
 
-    def note_link(self, identity: str, link: str) -> None:
-        """The full URL a request named `identity` by (the newest wins): what the fetcher will use."""
-        with self._lock:
-            self._links[identity] = link
-
-    def forget_link(self, identity: str) -> None:
-        """Drop a link no load will use (its adapter was cached)."""
-        with self._lock:
-            self._links.pop(identity, None)
-
     def close(self) -> None:
         """Stop downloads under way at their next read (the engine stops)."""
         if self.urls is not None:
@@ -351,8 +353,9 @@ class AdapterSources:
 
     @contextlib.contextmanager
     def holding(self, found: AdapterFile) -> Iterator[None]:
-        """Keep a URL adapter's downloaded file on disk while the block reads it; when the block raises an
-        EngineError (the bytes are no usable adapter), remove it, so that nothing of it stays cached."""
+        """Keep a URL adapter's downloaded file on disk while the block reads it (the fetch claimed it), then release
+        it; when the block raises an EngineError (the bytes are no usable adapter), remove it, so that nothing of
+        it stays cached."""
         if found.sha256 is None or self.urls is None or self.urls.cache is None:
             yield
             return
@@ -365,11 +368,12 @@ class AdapterSources:
             self.urls.discard(parse_url_name(found.name), found.sha256)
             raise
 
-    def resolve(self, name: str) -> AdapterFile:
-        """The file for a name, or AdapterNotFoundError / AdapterNameError saying what to fix."""
+    def resolve(self, name: str, link: str | None = None) -> AdapterFile:
+        """The file for a name (a URL adapter's from `link`, the full URL its identity `name` stands for), or
+        AdapterNotFoundError / AdapterNameError saying what to fix."""
         self.check(name)
         if is_url_name(name):
-            return self._fetch_url(name)
+            return self._fetch_url(name, link)
         if not name.startswith("hf:"):
             found = self.local.find(name)
             if found is not None:
@@ -384,12 +388,10 @@ class AdapterSources:
             adapter=name,
         )
 
-    def _fetch_url(self, identity: str) -> AdapterFile:
-        with self._lock:
-            link = self._links.pop(identity, None)
+    def _fetch_url(self, identity: str, link: str | None) -> AdapterFile:
         url = parse_url_name(link if link is not None else identity)
         if url.identity != parse_url_name(identity).identity:
-            raise AdapterNameError(f"the link kept for {identity} names another identity")  # never: note_link's
+            raise AdapterNameError(f"the link given for {identity} names another identity")  # never: convert's
         pinned_on_disk = url.sha256 is not None and self.urls.cache is not None and self.urls.cache.has(url.sha256)
         # An identity given as the name (no link came with it) has a digest where its query was: not fetchable.
         digest_only = "?" in url.link and url_identity(url.link) == url.link

@@ -10,11 +10,16 @@ When a URL adapter is not in the host cache, the loader thread asks `UrlAdapterS
 4. Otherwise the body is streamed to a partial file with its SHA-256: never whole in memory, --max-adapter-bytes
    checked against Content-Length and again while streaming, a read timeout on every read and a deadline on the
    whole download, Accept-Encoding identity (a Content-Encoding is refused: no decompression), redirects followed
-   by hand (at most MAX_REDIRECTS, each target checked like the first URL, tokens only to their own host). The
+   by hand (at most MAX_REDIRECTS, each target checked like the first URL, tokens only to their own host), no
+   cookies kept, a new connection for every request, made to the address the policy checked. The
    finished file must hash to the name's `#sha256=` if it has one and begin like a safetensors file; then it is
    renamed into the disk cache and its record written.
 
 Every failure leaves nothing behind and raises an EngineError whose message names the URL's identity only.
+
+HTTP is httpcore's (the transport under httpx) with a network backend of our own: it connects to the address
+checked rather than resolving the name again, and a watchdog shuts the download's sockets at the deadline, so
+that a host trickling its headers or body is cut then, whatever it sends in between.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from loraswap.server.engine.errors import (
     AdapterTooLargeError,
     EngineError,
     ErrorReason,
+    NotServingError,
     UrlFetchError,
     UrlMissingError,
     UrlRefusedError,
@@ -107,13 +113,69 @@ def looks_like_safetensors(head: bytes, size: int) -> bool:
     return 2 <= header_bytes <= size - 8 and head[8:9] == b"{"
 
 
+class _CheckedAddressBackend:
+    """httpcore's socket backend, connecting to the address the policy checked (the URL's name still gives SNI, the
+    certificate's name and Host), and recording its sockets so that `abort` can shut them from another thread."""
+
+    def __init__(self) -> None:
+        import httpcore
+
+        self._inner = httpcore.SyncBackend()
+        self._lock = threading.Lock()
+        self._sockets: list = []
+        self.address = ""
+        self.aborted = False
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        stream = self._inner.connect_tcp(self.address, port, timeout, local_address, socket_options)
+        sock = stream.get_extra_info("socket")
+        with self._lock:
+            self._sockets.append(sock)
+            aborted = self.aborted
+        if aborted:
+            _shut(sock)
+        return stream
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):  # pragma: no cover - never asked for
+        raise OSError("no unix sockets for adapter URLs")
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+    def abort(self) -> None:
+        """Shut every socket of this download: a read under way fails at once."""
+        with self._lock:
+            self.aborted = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+
+def _shut(sock) -> None:
+    import socket
+
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _header(response, name: str) -> str | None:
+    """A response header's value (httpcore gives raw byte pairs), or None."""
+    wanted = name.lower().encode()
+    for key, value in response.headers:
+        if key.lower() == wanted:
+            return value.decode("latin-1")
+    return None
+
+
 class UrlAdapterSource:
     """Fetches URL adapters into a DownloadCache under a UrlPolicy; one download per identity at a time."""
 
     def __init__(
         self,
         policy: UrlPolicy,
-        cache: DownloadCache | None,
+        cache: DownloadCache,
         *,
         max_adapter_bytes: int = 0,
         ca_file: Path | None = None,
@@ -128,22 +190,16 @@ class UrlAdapterSource:
         self._ssl = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
         self._lock = threading.Lock()
         self._progress: dict[str, DownloadProgress] = {}
-        self._client = None
+        self._downloads: set[_CheckedAddressBackend] = set()
         self._stopping = threading.Event()
 
     def close(self) -> None:
-        """Stop: downloads under way end at their next read (UrlUnavailableError), and no new one starts."""
+        """Stop: downloads under way end now (their sockets shut), and no new one starts."""
         self._stopping.set()
-
-    def _http(self):
-        import httpx
-
         with self._lock:
-            if self._client is None:
-                timeout = httpx.Timeout(self.timeouts.io_s)
-                # trust_env off: no proxy, .netrc credentials or CA bundle from the environment; the flags decide.
-                self._client = httpx.Client(verify=self._ssl, timeout=timeout, follow_redirects=False, trust_env=False)
-            return self._client
+            downloads = list(self._downloads)
+        for backend in downloads:
+            backend.abort()
 
     def progress(self, identity: str) -> DownloadProgress | None:
         """The download of `identity` under way now, or None."""
@@ -157,27 +213,30 @@ class UrlAdapterSource:
     def fetch(self, url: UrlName) -> AdapterFile:
         """A local file holding the adapter `url` names, downloaded if need be (on a loader thread)."""
         label = self.policy.check(url)
-        if self._stopping.is_set():
-            raise UrlUnavailableError(
-                "the server is stopping; retry on another replica", reason=ErrorReason.URL_CONNECT_FAILED
-            )
-        if self.cache is None:
-            raise UrlRefusedError("this server has no --adapter-cache-dir to download adapters into")
         started = time.perf_counter()
-        if url.sha256 and self.cache.has(url.sha256):
+        if url.sha256 and self.cache.claim(url.sha256):
             self.observer.url_download(label, "disk", 0)
             return self._file(url, url.sha256, 0.0, 0)
         progress = DownloadProgress()
+        backend = _CheckedAddressBackend()
+        watchdog = threading.Timer(self.timeouts.deadline_s, backend.abort)
+        watchdog.daemon = True
         with self._lock:
             self._progress[url.identity] = progress
+            self._downloads.add(backend)
+        watchdog.start()
         try:
-            sha256, transferred, outcome = self._download(url, progress)
+            if self._stopping.is_set():
+                raise _stopping()
+            sha256, transferred, outcome = self._download(url, progress, backend)
         except EngineError as error:
             self.observer.url_download(label, str(error.reason), progress.done)
             raise
         finally:
+            watchdog.cancel()
             with self._lock:
                 self._progress.pop(url.identity, None)
+                self._downloads.discard(backend)
         self.observer.url_download(label, outcome, transferred)
         return self._file(url, sha256, (time.perf_counter() - started) * 1000.0, transferred)
 
@@ -194,13 +253,12 @@ class UrlAdapterSource:
 
     def discard(self, url: UrlName, sha256: str) -> None:
         """Forget a download whose bytes are no usable adapter, so that nothing of it stays cached."""
-        if self.cache is not None:
-            self.cache.forget(url.identity)
-            self.cache.discard(sha256)
+        self.cache.forget(url.identity)
+        self.cache.discard(sha256)
 
     # -- the download --------------------------------------------------------------------------------------------
 
-    def _download(self, url: UrlName, progress: DownloadProgress) -> tuple[str, int, str]:
+    def _download(self, url: UrlName, progress: DownloadProgress, backend) -> tuple[str, int, str]:
         """(sha256, bytes transferred, outcome): "not_modified" (the file on disk still current) or "downloaded"."""
         record = self.cache.record(url.identity)
         conditional = {}
@@ -209,117 +267,135 @@ class UrlAdapterSource:
                 conditional["If-None-Match"] = record.etag
             if record.last_modified:
                 conditional["If-Modified-Since"] = record.last_modified
-        deadline = time.monotonic() + self.timeouts.deadline_s
-        with self._response(url, conditional, deadline) as (response, final):
-            if response.status_code == 304 and record is not None and conditional:
-                return record.sha256, 0, "not_modified"
-            self._check_status(response, final)
-            encoding = response.headers.get("content-encoding", "identity").strip().lower()
-            if encoding not in ("", "identity"):
-                raise UrlFetchError(
-                    f"{final.origin}{final.path} sent the adapter with Content-Encoding {encoding[:20]!r}; the server "
-                    "asks for and accepts only the file's own bytes (no compression): serve it unencoded",
-                    reason=ErrorReason.URL_CONTENT_ENCODING_REFUSED,
-                )
-            announced = _content_length(response)
-            self._check_size(url, announced)
-            progress.total = announced or 0
-            if announced:
-                self.cache.make_room(announced)
-            sha256 = self._stream(url, response, progress, announced, deadline)
+        # A 304 serves the file on disk, unless it went (to make room for another download) since the record was
+        # read: then once more, unconditionally.
+        for attempt in (conditional, {}) if conditional else ({},):
+            with self._response(url, attempt, backend) as (response, final):
+                if response.status == 304 and attempt:
+                    if self.cache.claim(record.sha256):
+                        return record.sha256, 0, "not_modified"
+                    continue
+                self._check_status(response, final)
+                encoding = (_header(response, "content-encoding") or "identity").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise UrlFetchError(
+                        f"{final.origin}{final.path} sent the adapter with Content-Encoding {encoding[:20]!r}; the "
+                        "server asks for and accepts only the file's own bytes (no compression): serve it unencoded",
+                        reason=ErrorReason.URL_CONTENT_ENCODING_REFUSED,
+                    )
+                announced = _content_length(response)
+                self._check_size(url, announced)
+                progress.total = announced or 0
+                with self.cache.room(announced or 0):
+                    sha256 = self._stream(url, response, progress, announced, backend)
+                break
         self.cache.write_record(
             UrlRecord(
                 identity=url.identity,
                 sha256=sha256,
                 bytes=progress.done,
-                etag=response.headers.get("etag"),
-                last_modified=response.headers.get("last-modified"),
+                etag=_header(response, "etag"),
+                last_modified=_header(response, "last-modified"),
                 fetched_unix=time.time(),
             )
         )
         return sha256, progress.done, "downloaded"
 
     @contextmanager
-    def _response(self, url: UrlName, conditional: dict[str, str], deadline: float) -> Iterator[tuple[object, UrlName]]:
+    def _response(self, url: UrlName, conditional: dict[str, str], backend) -> Iterator[tuple[object, UrlName]]:
         """The streamed response at the end of the redirects, and the URL it came from."""
-        import httpx
-
         current = url
-        link = url.link
         for hop in range(MAX_REDIRECTS + 1):
-            headers = {"Accept-Encoding": "identity", "User-Agent": "loraswap"}
+            headers = [
+                ("Accept-Encoding", "identity"),
+                ("User-Agent", "loraswap"),
+                ("Host", current.origin.split("://", 1)[1]),
+            ]
             if current.host == url.host:
-                headers.update(conditional)
+                headers += list(conditional.items())
             token = self.policy.token_for(current.host)
             if token is not None:
-                headers["Authorization"] = f"Bearer {token}"
-            address = self.policy.address_for(current)
-            request_url = httpx.URL(link)
-            extensions = {}
-            if address != current.host:  # connect to the address checked, with the name for Host, SNI and the cert
-                request_url = request_url.copy_with(host=address)
-                headers["Host"] = request_url.netloc.decode().replace(address, current.host, 1)
-                extensions["sni_hostname"] = current.host
-            timeout = max(0.1, min(self.timeouts.io_s, deadline - time.monotonic()))
-            request = self._http().build_request(
-                "GET", request_url, headers=headers, extensions=extensions, timeout=timeout
-            )
-            response = self._send(request, current)
-            location = response.headers.get("location")
-            if response.status_code not in REDIRECT_STATUSES or not location:
-                try:
+                headers.append(("Authorization", f"Bearer {token}"))
+            with self._send(current, headers, backend) as response:
+                location = _header(response, "location")
+                if response.status not in REDIRECT_STATUSES or not location:
                     yield response, current
-                finally:
-                    response.close()
-                return
-            response.close()
+                    return
             if hop == MAX_REDIRECTS:
                 break
-            current = self._redirect_target(current, link, location)
-            link = current.link
-            if time.monotonic() > deadline:
-                raise _timed_out(url, self.timeouts.deadline_s)
+            current = self._redirect_target(current, current.link, location)
         raise UrlFetchError(
             f"{url.origin}{url.path} redirected more than {MAX_REDIRECTS} times (a loop?); give the URL the "
             "redirects end at",
             reason=ErrorReason.URL_TOO_MANY_REDIRECTS,
         )
 
-    def _send(self, request, current: UrlName):
-        import httpx
+    @contextmanager
+    def _send(self, current: UrlName, headers, backend):
+        """One GET of `current` on a new connection to each of its checked addresses in turn, until one connects."""
+        import httpcore
+
+        timeout = self.timeouts.io_s
+        extensions = {"timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}}
+        addresses = self.policy.addresses_for(current)
+        for index, address in enumerate(addresses):
+            backend.address = address
+            pool = httpcore.ConnectionPool(
+                ssl_context=self._ssl, max_keepalive_connections=0, network_backend=backend, retries=0
+            )
+            try:
+                with pool, pool.stream("GET", current.link, headers=headers, extensions=extensions) as response:
+                    yield response
+                    return
+            except httpcore.ConnectError as error:
+                if _has_ssl_cause(error) or backend.aborted:
+                    raise self._transport_error(error, current, backend) from None
+                if index == len(addresses) - 1:
+                    raise self._transport_error(error, current, backend) from None
+            except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError, ssl.SSLError) as error:
+                raise self._transport_error(error, current, backend) from None
+            except (ValueError, UnicodeError):  # httpcore refusing the request as written
+                raise UrlFetchError(
+                    f"the request to {current.origin}{current.path} could not be written; check the URL",
+                    reason=ErrorReason.URL_HTTP_ERROR,
+                ) from None
+
+    def _transport_error(self, error: BaseException, current: UrlName, backend) -> EngineError:
+        import httpcore
 
         shown = f"{current.origin}{current.path}"
-        try:
-            return self._http().send(request, stream=True)
-        except httpx.TimeoutException:
-            raise UrlUnavailableError(
+        if self._stopping.is_set():
+            return _stopping()
+        if backend.aborted:
+            return _timed_out(current, self.timeouts.deadline_s)
+        if _has_ssl_cause(error) or isinstance(error, ssl.SSLError):
+            return UrlFetchError(
+                f"the TLS handshake with {current.origin} failed (its certificate is not trusted or not for that "
+                "name); the server verifies against the system's CAs or --url-ca-file",
+                reason=ErrorReason.URL_TLS_FAILED,
+            )
+        if isinstance(error, httpcore.TimeoutException):
+            return UrlUnavailableError(
                 f"{current.origin} did not answer within {self.timeouts.io_s:g} s (--url-timeout-seconds); retry "
                 "later, or check that the host is up",
                 reason=ErrorReason.URL_TIMED_OUT,
-            ) from None
-        except httpx.ConnectError as error:
-            if _has_ssl_cause(error):
-                raise UrlFetchError(
-                    f"the TLS handshake with {current.origin} failed (its certificate is not trusted or not for that "
-                    "name); the server verifies against the system's CAs or --url-ca-file",
-                    reason=ErrorReason.URL_TLS_FAILED,
-                ) from None
-            raise UrlUnavailableError(
+            )
+        if isinstance(error, httpcore.ConnectError):
+            return UrlUnavailableError(
                 f"could not connect to {current.origin} for {shown} (refused or unreachable); retry later, or check "
                 "the host and port",
                 reason=ErrorReason.URL_CONNECT_FAILED,
-            ) from None
-        except (httpx.TransportError, ssl.SSLError) as error:
-            if _has_ssl_cause(error) or isinstance(error, ssl.SSLError):
-                raise UrlFetchError(
-                    f"the TLS connection to {current.origin} failed; the server verifies against the system's CAs or "
-                    "--url-ca-file",
-                    reason=ErrorReason.URL_TLS_FAILED,
-                ) from None
-            raise UrlUnavailableError(
-                f"the connection to {current.origin} failed before it answered ({type(error).__name__}); retry later",
-                reason=ErrorReason.URL_CONNECT_FAILED,
-            ) from None
+            )
+        if isinstance(error, httpcore.LocalProtocolError):
+            return UrlFetchError(
+                f"the request to {current.origin} could not be written (a header the server was given, such as its "
+                "--url-token-file token, is not valid HTTP)",
+                reason=ErrorReason.URL_HTTP_ERROR,
+            )
+        return UrlUnavailableError(
+            f"the connection to {current.origin} broke before it answered ({type(error).__name__}); retry later",
+            reason=ErrorReason.URL_CONNECT_FAILED,
+        )
 
     def _redirect_target(self, current: UrlName, link: str, location: str) -> UrlName:
         try:
@@ -340,11 +416,11 @@ class UrlAdapterSource:
         return target
 
     def _check_status(self, response, final: UrlName) -> None:
-        status = response.status_code
+        status = response.status
         if status == 200:
             return
         shown = f"{final.origin}{final.path}"
-        retry_after = _retry_after_s(response.headers.get("retry-after"))
+        retry_after = _retry_after_s(_header(response, "retry-after"))
         retry = {} if retry_after is None else {"retry_after_s": f"{retry_after:g}"}
         if status in (401, 403):
             has_token = self.policy.token_for(final.host) is not None
@@ -396,36 +472,33 @@ class UrlAdapterSource:
                 max_bytes=limit,
             )
 
-    def _stream(self, url: UrlName, response, progress: DownloadProgress, announced: int | None, deadline) -> str:
+    def _stream(self, url: UrlName, response, progress: DownloadProgress, announced: int | None, backend) -> str:
         """Write the body to a partial file and commit it; its sha256."""
-        import httpx
+        import httpcore
 
         shown = f"{url.origin}{url.path}"
         digest = hashlib.sha256()
         head = b""
         with self.cache.partial_file() as (partial, handle):
             try:
-                for chunk in response.iter_raw():  # each read as it comes: the deadline is checked between reads
+                for chunk in response.iter_stream():  # each read as it comes
                     if len(head) < 9:
                         head += chunk[:9]
                     digest.update(chunk)
                     handle.write(chunk)
                     progress.done += len(chunk)
                     self._check_size(url, progress.done, so_far=True)
-                    if time.monotonic() > deadline:
-                        raise _timed_out(url, self.timeouts.deadline_s)
-                    if self._stopping.is_set():
-                        raise UrlUnavailableError(
-                            f"the server stopped while downloading {shown}; retry on another replica",
-                            reason=ErrorReason.URL_CONNECT_FAILED,
-                        )
-            except httpx.TimeoutException:
+            except httpcore.TimeoutException:
                 raise UrlUnavailableError(
                     f"{shown} stopped sending after {progress.done} bytes (nothing for {self.timeouts.io_s:g} s, "
                     "--url-timeout-seconds); retry later",
                     reason=ErrorReason.URL_TIMED_OUT,
                 ) from None
-            except (httpx.RemoteProtocolError, httpx.ReadError):
+            except (httpcore.NetworkError, httpcore.ProtocolError):
+                if self._stopping.is_set():
+                    raise _stopping() from None
+                if backend.aborted:
+                    raise _timed_out(url, self.timeouts.deadline_s) from None
                 raise _short(url, progress.done, announced) from None
             if announced is not None and progress.done < announced:
                 raise _short(url, progress.done, announced)
@@ -450,13 +523,20 @@ class UrlAdapterSource:
 
 
 def _content_length(response) -> int | None:
-    value = response.headers.get("content-length")
-    if value is None or "chunked" in response.headers.get("transfer-encoding", "").lower():
+    value = _header(response, "content-length")
+    if value is None or "chunked" in (_header(response, "transfer-encoding") or "").lower():
         return None
     try:
         return int(value)
     except ValueError:
         return None
+
+
+def _stopping() -> NotServingError:
+    return NotServingError(
+        "the server is stopping and ended the adapter download; retry on another replica",
+        reason=ErrorReason.SHUTTING_DOWN,
+    )
 
 
 def _timed_out(url: UrlName, deadline_s: float) -> UrlUnavailableError:

@@ -28,7 +28,7 @@ URL_SCHEMES = ("https", "http")
 MAX_URL_NAME_LENGTH = 8192
 _SHA256_FRAGMENT = re.compile(r"sha256=([0-9a-fA-F]{64})")
 _HOST = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
-_FORBIDDEN = re.compile(r"[\x00-\x20\x7f\\]")
+_FORBIDDEN = re.compile(r"[^\x21-\x7e]|\\")  # all but visible ASCII, and backslashes
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,19 @@ class UrlName:
     port: int
     path: str
     sha256: str | None  # the `#sha256=` the name pins, lower case
+
+
+MAX_HOST_LENGTH = 253
+MAX_LABEL_LENGTH = 63
+
+
+def _is_ipv6(text: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
 
 
 def is_url_name(name: str) -> bool:
@@ -67,8 +80,16 @@ def parse_url_name(name: str) -> UrlName:
     if len(name) > MAX_URL_NAME_LENGTH:
         raise _refuse(f"the adapter URL is {len(name)} characters long; URLs are limited to {MAX_URL_NAME_LENGTH}")
     if _FORBIDDEN.search(name):
-        raise _refuse("the adapter URL holds a space, a backslash or a control character; percent-encode it")
-    parts = urlsplit(scheme + "://" + rest)
+        raise _refuse(
+            "the adapter URL holds a space, a backslash, a control or a non-ASCII character; percent-encode it"
+        )
+    try:
+        parts = urlsplit(scheme + "://" + rest)
+        parts.port  # noqa: B018 - ValueError for a port that is not one
+    except ValueError:
+        raise _refuse(
+            f"the adapter URL for {scheme}:// has a malformed host or port (brackets, a port out of range)"
+        ) from None
     shown_at = f"{scheme}://{shorten(parts.netloc.rpartition('@')[2], 80)}"
     if "@" in parts.netloc:
         raise _refuse(
@@ -83,7 +104,11 @@ def parse_url_name(name: str) -> UrlName:
     host = (parts.hostname or "").lower()
     if host.startswith("[") or not host:
         raise _refuse(f"the adapter URL {shown_at} names no host")
-    if ":" not in host and not _HOST.fullmatch(host):
+    bracketed = parts.netloc.rpartition("@")[2].startswith("[")
+    if bracketed and not _is_ipv6(host):
+        raise _refuse(f"the adapter URL {shown_at} has brackets around something that is no IPv6 address")
+    too_long = len(host) > MAX_HOST_LENGTH or any(len(label) > MAX_LABEL_LENGTH for label in host.split("."))
+    if not bracketed and (too_long or not _HOST.fullmatch(host)):
         raise _refuse(
             f"the adapter URL's host {shorten(host, 80)!r} is not a host name (letters, digits, '-' and '.', "
             "IDNA-encoded) or an IP address"
@@ -117,5 +142,5 @@ def loggable_name(name: str) -> str:
     """public_name for a log line or metric: never raises; a malformed URL is "<invalid URL>"."""
     try:
         return public_name(name)
-    except AdapterNameError:
+    except Exception:  # noqa: BLE001 - whatever a hostile name makes the parser raise, a log line gets no part of it
         return "<invalid URL>"

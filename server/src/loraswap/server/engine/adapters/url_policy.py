@@ -66,18 +66,24 @@ def read_token_file(path: Path, environ=os.environ) -> dict[str, str]:
     Raises ValueError with a line number (never the token) for a line that is not one of those."""
     tokens: dict[str, str] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        text = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#") else ""
-        if not text:
+        text = line.strip()
+        if not text or text.startswith("#"):  # comments are whole lines: a token may hold '#'
             continue
         parts = text.split()
         if len(parts) != 2:
             raise ValueError(f"{path}:{number}: expected `HOST TOKEN` or `HOST env:VARIABLE`")
-        host, token = check_host_rule(parts[0]), parts[1]
+        try:
+            host = check_host_rule(parts[0])
+        except ValueError:  # never quoted: a line written TOKEN HOST would put the token in the message
+            raise ValueError(f"{path}:{number}: the first field is not a host name, *.domain or IP address") from None
+        token = parts[1]
         if token.startswith(TOKEN_FROM_ENVIRONMENT):
             variable = token.removeprefix(TOKEN_FROM_ENVIRONMENT)
             if not environ.get(variable):
                 raise ValueError(f"{path}:{number}: the environment variable {variable} for {host} is not set")
             token = environ[variable]
+        if not all("\x21" <= character <= "\x7e" for character in token):
+            raise ValueError(f"{path}:{number}: the token for {host} holds spaces or characters outside ASCII")
         tokens[host] = token
     return tokens
 
@@ -137,10 +143,11 @@ class UrlPolicy:
                 return token
         return None
 
-    def address_for(self, url: UrlName) -> str:
-        """The IP address to connect to for `url`'s host, checked; errors name the host, never the query."""
+    def addresses_for(self, url: UrlName) -> list[str]:
+        """The IP addresses to connect to for `url`'s host, checked, in the resolver's order; errors name the host,
+        never the query."""
         if _is_ip(url.host):
-            return url.host  # allowed as named: an IP in the allow list is the operator's choice
+            return [url.host]  # allowed as named: an IP in the allow list is the operator's choice
         try:
             infos = socket.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
         except socket.gaierror as error:
@@ -162,4 +169,4 @@ class UrlPolicy:
                     reason=ErrorReason.URL_ADDRESS_NOT_ALLOWED,
                     host=url.host,
                 )
-        return addresses[0]
+        return addresses
