@@ -316,11 +316,11 @@ async def test_a_slow_adapter_load_does_not_hold_up_another(client, server, monk
     resolve = sources.resolve
     entered, release = threading.Event(), threading.Event()
 
-    def slow_resolve(name: str):
+    def slow_resolve(name: str, link: str | None = None):
         if name == "slow":
             entered.set()
             release.wait(CASE_TIMEOUT_S)
-        return resolve(name)
+        return resolve(name, link)
 
     monkeypatch.setattr(sources, "resolve", slow_resolve)
     slow = asyncio.ensure_future(client.preload_adapter("slow"))

@@ -19,8 +19,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 CONTRACT_RPCS = [method.name for method in pb.DESCRIPTOR.services_by_name["DiffusionService"].methods]
 SWAP_PATHS = ("cold", "warm")
 SWAP_MODES = ("fused", "unfused")
-# The family whose series wait for what they are labelled with: adapter names.
-WAITING = {"loraswap_adapter_requests_total"}
+# The families whose series wait for what they are labelled with: adapter names; the URL hosts a server allows
+# (none here; see the test below) and the reasons URL fetches fail for.
+URL_FAMILIES = {
+    "loraswap_url_downloads_total",
+    "loraswap_url_download_bytes_total",
+    "loraswap_url_download_failures_total",
+}
+WAITING = {"loraswap_adapter_requests_total", *URL_FAMILIES}
 
 
 async def test_a_fresh_server_exports_every_known_series_at_zero() -> None:
@@ -63,3 +69,19 @@ async def test_a_fresh_server_exports_every_known_series_at_zero() -> None:
         assert (names <= families) == (family not in WAITING), family
     (build,) = [value for (name, _), value in samples.items() if name == "loraswap_build_info"]
     assert build == 1
+
+
+async def test_a_server_that_allows_url_hosts_exports_their_series_at_zero(tmp_path) -> None:
+    hosts = ("*.example.com", "huggingface.co")
+    async with serving(metrics_settings(allow_url_host=hosts, adapter_cache_dir=tmp_path)) as running:
+        samples = await scrape(running.metrics_port)
+    zero = [
+        *(
+            key("loraswap_url_downloads_total", host=host, outcome=outcome)
+            for host in ("*.example.com", "huggingface.co")
+            for outcome in ("downloaded", "not_modified", "disk")
+        ),
+        *(key("loraswap_url_download_bytes_total", host=host) for host in ("*.example.com", "huggingface.co")),
+    ]
+    assert {series: samples.get(series) for series in zero} == dict.fromkeys(zero, 0.0)
+    assert "loraswap_url_download_failures_total" not in {name for name, _ in samples}  # by reason, as they come
