@@ -11,7 +11,14 @@ from loraswap.client import command
 from loraswap.client.cli import ProgressBar
 from loraswap.client.events import Progress, Queued
 
-EVENTS = [Queued(0, loading_adapter=True), Queued(2), Queued(1), Progress(1, 4, 10.0), Progress(4, 4, 40.0)]
+EVENTS = [
+    Queued(0, loading_adapter=True),
+    Queued(0, loading_adapter=True, downloaded_bytes=3_100_000, download_total_bytes=7_900_000),
+    Queued(2),
+    Queued(1),
+    Progress(1, 4, 10.0),
+    Progress(4, 4, 40.0),
+]
 
 
 class TerminalStream(io.StringIO):
@@ -32,6 +39,7 @@ def _draw(stream: io.StringIO) -> str:
 def test_progress_bar_draws_loading_queue_and_steps_on_a_terminal() -> None:
     drawn = _draw(TerminalStream())
     assert "loading adapter" in drawn and "queued: position 2" in drawn and "queued: position 1" in drawn
+    assert "downloading adapter: 3.1 of 7.9 MB" in drawn
     assert "denoising" in drawn and "4/4" in drawn and drawn.endswith("\n")  # tqdm may skip redraws in between
 
 

@@ -233,6 +233,9 @@ class ProgressBar:
         """Redraws the bar for a queue event or a completed step."""
         if isinstance(event, Queued):
             waiting = "loading adapter" if event.loading_adapter else f"queued: position {event.position}"
+            if event.downloaded_bytes or event.download_total_bytes:
+                total = f" of {event.download_total_bytes / 1e6:.1f}" if event.download_total_bytes else ""
+                waiting = f"downloading adapter: {event.downloaded_bytes / 1e6:.1f}{total} MB"
             self._bar.set_description_str(waiting)
             return
         if self._bar.total != event.total_steps:

@@ -337,7 +337,7 @@ class UrlAdapterSource:
 
         timeout = self.timeouts.io_s
         extensions = {"timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}}
-        addresses = self.policy.addresses_for(current)
+        addresses = self.policy.addresses_for(current, self.timeouts.io_s)
         for index, address in enumerate(addresses):
             backend.address = address
             pool = httpcore.ConnectionPool(

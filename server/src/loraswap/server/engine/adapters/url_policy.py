@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,30 @@ def read_token_file(path: Path, environ=os.environ) -> dict[str, str]:
     return tokens
 
 
+def _resolve(host: str, port: int, timeout_s: float) -> list:
+    """getaddrinfo within `timeout_s` (TimeoutError past it): the lookup runs on a daemon thread of its own, which
+    a resolver that never answers leaves behind without holding up the download's thread or the process's exit."""
+    outcome: dict = {}
+
+    def lookup() -> None:
+        try:
+            outcome["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=lookup, name="loraswap-dns", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(host)
+    error = outcome.get("error")
+    if isinstance(error, UnicodeError):
+        raise socket.gaierror(socket.EAI_NONAME, "not a valid host name")
+    if error is not None:
+        raise error
+    return outcome["infos"]
+
+
 @dataclass(frozen=True)
 class UrlPolicy:
     """The hosts, addresses and tokens of URL adapters."""
@@ -143,13 +168,19 @@ class UrlPolicy:
                 return token
         return None
 
-    def addresses_for(self, url: UrlName) -> list[str]:
-        """The IP addresses to connect to for `url`'s host, checked, in the resolver's order; errors name the host,
-        never the query."""
+    def addresses_for(self, url: UrlName, timeout_s: float) -> list[str]:
+        """The IP addresses to connect to for `url`'s host, checked, in the resolver's order, looked up within
+        `timeout_s`; errors name the host, never the query."""
         if _is_ip(url.host):
             return [url.host]  # allowed as named: an IP in the allow list is the operator's choice
         try:
-            infos = socket.getaddrinfo(url.host, url.port, type=socket.SOCK_STREAM)
+            infos = _resolve(url.host, url.port, timeout_s)
+        except TimeoutError:
+            raise UrlUnavailableError(
+                f"the DNS lookup of {url.host} took longer than {timeout_s:g} s (--url-timeout-seconds); retry later",
+                reason=ErrorReason.URL_DNS_FAILED,
+                host=url.host,
+            ) from None
         except socket.gaierror as error:
             retryable = error.errno in (socket.EAI_AGAIN,)
             error_class = UrlUnavailableError if retryable else UrlFetchError
