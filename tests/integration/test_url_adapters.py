@@ -435,6 +435,16 @@ async def test_the_disk_cache_keeps_downloads_across_a_restart_and_sends_tokens_
         with pytest.raises(LoraswapError) as refused:
             await client.preload_adapter(redirect)
         assert refused.value.reason == "URL_ACCESS_DENIED"
+        # SIGHUP re-reads the token file: a wrong token is now sent, and refused.
+        tokens.write_text("localhost wrong-token\n")
+        running.reload_credentials()
+        await client.evict(private)
+        with pytest.raises(LoraswapError) as refused:
+            await client.preload_adapter(private)
+        assert refused.value.reason == "URL_ACCESS_DENIED" and "token" in refused.value.message
+        assert "wrong-token" not in refused.value.message
+        tokens.write_text(f"localhost {web.token}\n")
+        running.reload_credentials()
     logged_before = len(web.logged())
     # Started again with the same disk cache, preloading both: one revalidation (304, no body), no request at all
     # for the pinned one.

@@ -77,6 +77,9 @@ class ScriptedEngine:
     async def preload(self, name: str, link: str | None = None) -> PreloadResult:
         raise AdapterNotFoundError(f"the scripted engine has no adapter {name!r}")
 
+    def reload_url_tokens(self) -> bool:
+        return False
+
     def evict(self, name: str) -> int:
         raise AdapterNotFoundError(f"the scripted engine has no adapter {name!r}")
 

@@ -26,7 +26,7 @@ def _shape(function) -> tuple[list[tuple[str, object, object]], bool, bool]:
 def test_the_protocol_names_what_the_transport_calls() -> None:
     assert set(MEMBERS) == {
         "start", "stop_accepting", "drain", "abort_all", "stop", "generate", "preload", "evict", "list_adapters",
-        "describe", "gauges",
+        "describe", "gauges", "reload_url_tokens",
     }  # fmt: skip
 
 

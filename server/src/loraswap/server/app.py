@@ -59,7 +59,8 @@ class RunningServer:
     metrics_port: int | None = None  # where /metrics is served (with --metrics-port; the bound port when 0)
 
     def reload_credentials(self) -> None:
-        """Re-read the TLS files and the token file (on SIGHUP); whatever is unusable keeps its previous contents."""
+        """Re-read the TLS files, the token file and the URL token file (on SIGHUP); whatever is unusable keeps its
+        previous contents."""
         for name, reloadable in (("TLS certificate", self.credentials), ("token file", self.tokens)):
             if reloadable is None:
                 continue
@@ -69,6 +70,11 @@ class RunningServer:
                 log.error("kept the previous %s: %s", name, error)
             else:
                 log.info("reloaded the %s", name)
+        try:
+            if self.engine.reload_url_tokens():
+                log.info("reloaded the URL token file")
+        except (ValueError, OSError) as error:  # the message names a line number, never a token
+            log.error("kept the previous URL token file: %s", error)
 
     @property
     def starting(self) -> bool:

@@ -246,7 +246,7 @@ class EngineConfig:
     url_token_file: Path | None = setting(
         None,
         "bearer tokens for URL hosts: lines `HOST TOKEN` or `HOST env:VARIABLE`; each goes to its own host only, "
-        "never logged",
+        "never logged; re-read on SIGHUP",
         parse=optional_path,
         metavar="FILE",
     )

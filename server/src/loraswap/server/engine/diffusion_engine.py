@@ -159,6 +159,15 @@ class DiffusionEngine:
             self._configured_links[identity] = name
         return identity
 
+    def reload_url_tokens(self) -> bool:
+        """Re-read --url-token-file (on SIGHUP); False when the server has none. ValueError or OSError for a file it
+        cannot use: the tokens read before stay."""
+        urls = self._sources.urls
+        if urls is None or urls.policy.tokens.path is None:
+            return False
+        urls.policy.tokens.reload()
+        return True
+
     @property
     def sources(self) -> AdapterSources:
         """Where adapter names are resolved (the adapter directory and the Hub, or what the constructor was given)."""
@@ -474,7 +483,7 @@ def url_adapter_source(config: EngineConfig, observer: EngineObserver):
     """The fetcher of URL adapters under the config's --allow-url-host rules, or None when no host is allowed."""
     from loraswap.server.engine.adapters.download_cache import DownloadCache
     from loraswap.server.engine.adapters.url_fetch import UrlAdapterSource, UrlTimeouts
-    from loraswap.server.engine.adapters.url_policy import UrlPolicy, read_token_file
+    from loraswap.server.engine.adapters.url_policy import UrlPolicy, UrlTokens
 
     if not (config.allow_url_host or config.allow_insecure_url_host):
         return None
@@ -482,7 +491,7 @@ def url_adapter_source(config: EngineConfig, observer: EngineObserver):
         allowed_hosts=config.allow_url_host,
         insecure_hosts=config.allow_insecure_url_host,
         allow_private_addresses=config.allow_url_private_addresses,
-        tokens=read_token_file(config.url_token_file) if config.url_token_file else {},
+        tokens=UrlTokens(config.url_token_file),
     )
     try:
         cache = DownloadCache(config.download_cache_dir, config.adapter_cache_dir_bytes)

@@ -47,6 +47,10 @@ class Engine(Protocol):
         """Make an adapter ready in the cache; idempotent. `link`: a URL adapter's full URL (`name`: its public
         identity)."""
 
+    def reload_url_tokens(self) -> bool:
+        """Re-read --url-token-file (on SIGHUP); False when there is none. ValueError or OSError for a file it
+        cannot use: the tokens read before stay."""
+
     def evict(self, name: str) -> int:
         """Drop an adapter from the cache; returns the bytes freed."""
 

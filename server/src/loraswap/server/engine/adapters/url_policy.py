@@ -113,6 +113,25 @@ def _resolve(host: str, port: int, timeout_s: float) -> list:
     return outcome["infos"]
 
 
+class UrlTokens:
+    """The bearer tokens of --url-token-file, by host rule; `reload` re-reads the file (on SIGHUP)."""
+
+    def __init__(self, path: Path | None = None, tokens: dict[str, str] | None = None) -> None:
+        self.path = path
+        self._tokens = dict(tokens or {}) if path is None else read_token_file(path)
+
+    def __repr__(self) -> str:
+        return f"UrlTokens({len(self._tokens)} hosts)"  # never the tokens
+
+    def reload(self) -> None:
+        """Read the file again; ValueError or OSError (and the tokens read before stay) for one it cannot use."""
+        if self.path is not None:
+            self._tokens = read_token_file(self.path)
+
+    def items(self):
+        return list(self._tokens.items())
+
+
 @dataclass(frozen=True)
 class UrlPolicy:
     """The hosts, addresses and tokens of URL adapters."""
@@ -120,7 +139,7 @@ class UrlPolicy:
     allowed_hosts: tuple[str, ...] = ()
     insecure_hosts: tuple[str, ...] = ()
     allow_private_addresses: bool = False
-    tokens: dict[str, str] = field(default_factory=dict, repr=False)
+    tokens: UrlTokens = field(default_factory=UrlTokens)
 
     @property
     def enabled(self) -> bool:
@@ -163,7 +182,7 @@ class UrlPolicy:
         return label
 
     def token_for(self, host: str) -> str | None:
-        for rule, token in self.tokens.items():
+        for rule, token in self.tokens.items():  # a copy: a reload on another thread swaps the whole mapping
             if host_matches(rule, host):
                 return token
         return None
