@@ -250,15 +250,24 @@ class DiffusionEngine:
         if not all(future.done() for future, _ in loads):
             # The first event comes at once, not when a slow read, conversion or download is over.
             yield Queued(position=0, loading_adapter=True)
-        stacking = asyncio.ensure_future(self._stack(params, loads))
-        try:
-            async for event in self._download_progress(params, stacking):
-                yield event
-            stack, load_ms, warnings = await stacking
-        finally:
-            stacking.cancel()
-            if stacking.done() and not stacking.cancelled():
-                stacking.exception()  # retrieved: a failure the caller no longer waits for is not logged as lost
+        downloading = [
+            applied.adapter
+            for applied, (future, _) in zip(params.adapters, loads)
+            if is_url_name(applied.adapter) and not future.done()
+        ]
+        if downloading:
+            stacking = asyncio.ensure_future(self._stack(params, loads))
+            try:
+                async for event in self._download_progress(downloading, stacking):
+                    yield event
+                stack, load_ms, warnings = await stacking
+            finally:
+                stacking.cancel()
+                if stacking.done() and not stacking.cancelled():
+                    stacking.exception()  # retrieved: a failure the caller no longer waits for is not lost in a log
+        else:
+            # Awaited in place: a request that loads nothing is queued in the order it arrived.
+            stack, load_ms, warnings = await self._stack(params, loads)
         self._check_fuse_choice(params, stack)
         warnings += rules.warnings(params)
 
@@ -330,10 +339,9 @@ class DiffusionEngine:
             self._sources.check(applied.adapter)
         return [self._cache.get_or_load(applied.adapter, links.get(applied.adapter)) for applied in params.adapters]
 
-    async def _download_progress(self, params: GenerationParams, stacking: asyncio.Future) -> AsyncIterator[Queued]:
-        """Queued events with the bytes of the request's URL downloads, each time they changed, until the stack is
+    async def _download_progress(self, urls: list[str], stacking: asyncio.Future) -> AsyncIterator[Queued]:
+        """Queued events with the bytes of these URL adapters' downloads, each time they changed, until the stack is
         loaded."""
-        urls = [applied.adapter for applied in params.adapters if is_url_name(applied.adapter)]
         last = None
         while urls:
             done, _ = await asyncio.wait((stacking,), timeout=DOWNLOAD_PROGRESS_EVERY_S)
