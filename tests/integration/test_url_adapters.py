@@ -8,9 +8,13 @@ and, for the slow ones, for the server serving other requests meanwhile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import shutil
+import socket
+import ssl
+import threading
 import time
 from pathlib import Path
 
@@ -380,6 +384,59 @@ async def test_an_identity_without_its_query_is_not_fetched(client, web):
         await client.preload_adapter(identity)
     assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ADAPTER_NAME")
     assert "send the full URL" in refused.value.message
+
+
+class TlsTrickler:
+    """An HTTPS server (a certificate of the test CA) that trickles its answer a byte every `interval` s: the
+    status line and headers too when `headers_too`, else only the body of a 100 kB Content-Length."""
+
+    def __init__(self, ca: TestCertificateAuthority, tmp_path: Path, *, headers_too: bool, interval: float = 0.3):
+        certificate, key = ca.issue_server().write(tmp_path, "trickler")
+        self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._context.load_cert_chain(certificate, key)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"https://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._headers_too, self._interval = headers_too, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> TlsTrickler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(10)
+
+    def _serve(self) -> None:
+        try:
+            raw, _ = self._listener.accept()
+        except OSError:
+            return
+        with contextlib.suppress(OSError), self._context.wrap_socket(raw, server_side=True) as connection:
+            while b"\r\n\r\n" not in connection.recv(65536):
+                pass
+            head = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"
+            if not self._headers_too:
+                connection.sendall(head)
+            for byte in head if self._headers_too else b"x" * 100_000:
+                if self._stop.wait(self._interval):
+                    return
+                connection.sendall(bytes([byte]))
+
+
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
+async def test_an_https_host_trickling_is_cut_at_the_deadline(client, ca, cache_dir, tmp_path, headers_too):
+    disk = _disk(cache_dir)
+    with TlsTrickler(ca, tmp_path, headers_too=headers_too) as slow:
+        started = time.monotonic()
+        with pytest.raises(LoraswapError) as refused:  # a Generate: its first event came, so no client retries it
+            await client.generate_image(PROMPT, adapter=slow.url + "/slow.safetensors", num_inference_steps=1)
+        took = time.monotonic() - started
+    assert (refused.value.code, refused.value.reason) == (grpc.StatusCode.UNAVAILABLE, "URL_TIMED_OUT")
+    assert DEADLINE_S - 0.5 < took < DEADLINE_S + 3.0, took
+    assert _disk(cache_dir) == disk
 
 
 async def test_a_slow_download_reports_its_bytes_in_queued_events(client, cache_dir):

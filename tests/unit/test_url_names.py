@@ -123,10 +123,17 @@ def test_a_client_routes_a_url_by_its_identity_never_its_query() -> None:
 def test_a_comma_inside_a_urls_query_does_not_split_it() -> None:
     from loraswap.server.engine.adapters.sources import split_names
 
-    assert split_names(f"https://h/x?a=1,sig={SECRET}, outline,hf:o/r@v:f.safetensors,https://b/y") == (
-        f"https://h/x?a=1,sig={SECRET}",
+    # Once a URL's query is open, no later piece but another URL is a name: none is echoed as one.
+    assert split_names(f"outline,https://h/x?ids=1,2,3&sig={SECRET},purple,https://b/y") == (
         "outline",
-        "hf:o/r@v:f.safetensors",
+        f"https://h/x?ids=1,2,3&sig={SECRET},purple",
         "https://b/y",
+    )
+    # Identities (what clients send) end at their digest; a URL without a query at its path.
+    assert split_names("https://h/p?0123456789ab,outline,https://b/y,purple") == (
+        "https://h/p?0123456789ab",
+        "outline",
+        "https://b/y",
+        "purple",
     )
     assert split_names("outline, ,purple") == ("outline", "purple")

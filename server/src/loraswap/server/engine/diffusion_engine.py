@@ -182,10 +182,11 @@ class DiffusionEngine:
         self._scheduler.stop_accepting()
 
     async def drain(self, timeout: float) -> bool:
-        """Wait up to `timeout` s for queued and running generations to finish; True if they did."""
+        """Wait up to `timeout` s for queued and running generations, and adapter loads, to finish; True if they did."""
         loop = asyncio.get_running_loop()
         ends_at = loop.time() + timeout
-        while not self._scheduler.is_idle():
+        # Loads count too: a Generate waiting on a download is in no queue yet.
+        while not self._scheduler.is_idle() or self._cache.loads_under_way:
             if loop.time() >= ends_at:
                 return False
             await asyncio.sleep(0.05)

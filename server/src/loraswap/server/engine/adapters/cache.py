@@ -148,6 +148,12 @@ class AdapterCache:
             evicted += 1
         return evicted
 
+    @property
+    def loads_under_way(self) -> int:
+        """Loads begun or queued and not yet ended (a download among them)."""
+        with self._lock:
+            return len(self._loading)
+
     def record_use(self, name: str) -> None:
         """Count a generation that used `name`."""
         with self._lock:

@@ -6,7 +6,7 @@
 
 A download is written under partial/, checked, fsynced and renamed into sha256/ whole, so a file there is always
 complete. Under a byte budget (--adapter-cache-dir-bytes) the least recently used files go first to make room
-for a new download, never one being read or used in the last minute; when even that leaves no room, or the disk
+for a new download, never one claimed by a load (from its check to the end of its read); when even that leaves no room, or the disk
 itself is full, the download is refused (DISK_CACHE_FULL) and nothing of it stays. One server owns the folder:
 it empties partial/ at start-up, and what it reads is known to it alone.
 """
@@ -108,9 +108,11 @@ class DownloadCache:
             self.release(claimed_sha256)
 
     def discard(self, sha256: str) -> None:
-        """Remove a content file (one that downloaded whole but is not a usable adapter)."""
+        """Remove a content file (one that downloaded whole but is not a usable adapter), unless another load has
+        claimed it meanwhile."""
         with self._lock, contextlib.suppress(OSError):
-            self.path_of(sha256).unlink()
+            if not self._reading.get(sha256):
+                self.path_of(sha256).unlink()
 
     def total_bytes(self) -> int:
         total = 0
@@ -194,7 +196,9 @@ class DownloadCache:
             record = UrlRecord(**values)
         except (OSError, ValueError, TypeError):
             return None
-        if record.identity != identity or len(record.sha256) != SHA256_HEX or not self.has(record.sha256):
+        if not isinstance(record.sha256, str) or record.identity != identity or len(record.sha256) != SHA256_HEX:
+            return None
+        if not self.has(record.sha256):
             return None
         return record
 

@@ -73,18 +73,27 @@ class HubRef:
 
 
 def split_names(text: str) -> tuple[str, ...]:
-    """Comma-separated adapter names (the `lora` metadata, --pin, --preload): a ',' inside a URL's query does not
-    split it when what follows is no local name or hub-ref of its own (so no piece of a query is echoed as one)."""
+    """Comma-separated adapter names (the `lora` metadata, --pin, --preload). A ',' inside a URL's query does not
+    split it: once a URL with a query (other than an identity's digest) is open, every later piece that is not a URL
+    of its own belongs to it, so no piece of a query is ever taken, and echoed, as a name. (In such a list, a URL
+    with commas in its query comes after the other names, or writes them %2C.)"""
     names: list[str] = []
     for piece in (piece.strip() for piece in text.split(",")):
         if not piece:
             continue
-        own_name = is_url_name(piece) or _LOCAL_NAME.fullmatch(piece) or parse_hub_ref(piece) is not None
-        if names and is_url_name(names[-1]) and not own_name:
+        if names and _takes_more_query(names[-1]) and not is_url_name(piece):
             names[-1] += "," + piece
         else:
             names.append(piece)
     return tuple(names)
+
+
+def _takes_more_query(name: str) -> bool:
+    """A URL whose query may go on past a ',': one with a query that is not an identity's bare digest."""
+    if not is_url_name(name) or "?" not in name:
+        return False
+    query = name.split("#", 1)[0].split("?", 1)[1]
+    return url_identity(f"https://h/?{query}") != f"https://h/?{query}"
 
 
 def parse_hub_ref(name: str) -> HubRef | None:

@@ -31,7 +31,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urljoin
@@ -128,12 +128,13 @@ class _CheckedAddressBackend:
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
         stream = self._inner.connect_tcp(self.address, port, timeout, local_address, socket_options)
-        sock = stream.get_extra_info("socket")
+        # A duplicate of the descriptor: TLS detaches the socket object it wraps, but shutting any descriptor of a
+        # connection ends it (a handshake or read under way fails at once).
+        handle = stream.get_extra_info("socket").dup()
         with self._lock:
-            self._sockets.append(sock)
-            aborted = self.aborted
-        if aborted:
-            _shut(sock)
+            self._sockets.append(handle)
+            if self.aborted:
+                _shut(handle)
         return stream
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):  # pragma: no cover - never asked for
@@ -143,12 +144,18 @@ class _CheckedAddressBackend:
         self._inner.sleep(seconds)
 
     def abort(self) -> None:
-        """Shut every socket of this download: a read under way fails at once."""
+        """Shut every connection of this download: a handshake or read under way fails at once."""
         with self._lock:
             self.aborted = True
-            sockets = list(self._sockets)
-        for sock in sockets:
-            _shut(sock)
+            for handle in self._sockets:
+                _shut(handle)
+
+    def close(self) -> None:
+        """Close the duplicates (the download is over; its connections are httpcore's to close)."""
+        with self._lock:
+            for handle in self._sockets:
+                handle.close()
+            self._sockets.clear()
 
 
 def _shut(sock) -> None:
@@ -158,6 +165,14 @@ def _shut(sock) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _validator(response, name: str) -> str | None:
+    """An ETag or Last-Modified to send back on revalidation: visible ASCII only (None for any other)."""
+    value = _header(response, name)
+    if value is None or not value or not all("\x20" <= character <= "\x7e" for character in value):
+        return None
+    return value
 
 
 def _header(response, name: str) -> str | None:
@@ -224,8 +239,8 @@ class UrlAdapterSource:
         with self._lock:
             self._progress[url.identity] = progress
             self._downloads.add(backend)
-        watchdog.start()
         try:
+            watchdog.start()
             if self._stopping.is_set():
                 raise _stopping()
             sha256, transferred, outcome = self._download(url, progress, backend)
@@ -237,6 +252,7 @@ class UrlAdapterSource:
             with self._lock:
                 self._progress.pop(url.identity, None)
                 self._downloads.discard(backend)
+            backend.close()
         self.observer.url_download(label, outcome, transferred)
         return self._file(url, sha256, (time.perf_counter() - started) * 1000.0, transferred)
 
@@ -289,16 +305,19 @@ class UrlAdapterSource:
                 with self.cache.room(announced or 0):
                     sha256 = self._stream(url, response, progress, announced, backend)
                 break
-        self.cache.write_record(
-            UrlRecord(
-                identity=url.identity,
-                sha256=sha256,
-                bytes=progress.done,
-                etag=_header(response, "etag"),
-                last_modified=_header(response, "last-modified"),
-                fetched_unix=time.time(),
-            )
+        record = UrlRecord(
+            identity=url.identity,
+            sha256=sha256,
+            bytes=progress.done,
+            etag=_validator(response, "etag"),
+            last_modified=_validator(response, "last-modified"),
+            fetched_unix=time.time(),
         )
+        try:
+            self.cache.write_record(record)
+        except OSError as error:  # the file is whole and usable; only the next revalidation is lost
+            log.warning("could not record %s in the disk cache (%s); it downloads again next time", url.identity,
+                        error.strerror)  # fmt: skip
         return sha256, progress.done, "downloaded"
 
     @contextmanager
@@ -340,25 +359,41 @@ class UrlAdapterSource:
         addresses = self.policy.addresses_for(current, self.timeouts.io_s)
         for index, address in enumerate(addresses):
             backend.address = address
-            pool = httpcore.ConnectionPool(
-                ssl_context=self._ssl, max_keepalive_connections=0, network_backend=backend, retries=0
-            )
+            opened = ExitStack()
             try:
-                with pool, pool.stream("GET", current.link, headers=headers, extensions=extensions) as response:
-                    yield response
-                    return
-            except httpcore.ConnectError as error:
-                if _has_ssl_cause(error) or backend.aborted:
+                pool = opened.enter_context(
+                    httpcore.ConnectionPool(
+                        ssl_context=self._ssl, max_keepalive_connections=0, network_backend=backend, retries=0
+                    )
+                )
+                response = opened.enter_context(
+                    pool.stream("GET", current.link, headers=headers, extensions=extensions)
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as error:
+                opened.close()
+                fatal = _has_ssl_cause(error) or backend.aborted or index == len(addresses) - 1
+                if fatal:
                     raise self._transport_error(error, current, backend) from None
-                if index == len(addresses) - 1:
-                    raise self._transport_error(error, current, backend) from None
+                continue  # the next address the name resolved to
             except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError, ssl.SSLError) as error:
+                opened.close()
                 raise self._transport_error(error, current, backend) from None
-            except (ValueError, UnicodeError):  # httpcore refusing the request as written
+            except (ValueError, UnicodeError, TypeError):  # httpcore refusing the request as written
+                opened.close()
                 raise UrlFetchError(
                     f"the request to {current.origin}{current.path} could not be written; check the URL",
                     reason=ErrorReason.URL_HTTP_ERROR,
                 ) from None
+            with opened:  # outside the handlers above: what the caller's block raises passes through unchanged
+                yield response
+            return
+
+    def _check_not_cut(self, url: UrlName, backend) -> None:
+        """Raise what cut the download short when it was the stop or the deadline, not the host."""
+        if self._stopping.is_set():
+            raise _stopping()
+        if backend.aborted:
+            raise _timed_out(url, self.timeouts.deadline_s)
 
     def _transport_error(self, error: BaseException, current: UrlName, backend) -> EngineError:
         import httpcore
@@ -489,17 +524,17 @@ class UrlAdapterSource:
                     progress.done += len(chunk)
                     self._check_size(url, progress.done, so_far=True)
             except httpcore.TimeoutException:
+                self._check_not_cut(url, backend)
                 raise UrlUnavailableError(
                     f"{shown} stopped sending after {progress.done} bytes (nothing for {self.timeouts.io_s:g} s, "
                     "--url-timeout-seconds); retry later",
                     reason=ErrorReason.URL_TIMED_OUT,
                 ) from None
             except (httpcore.NetworkError, httpcore.ProtocolError):
-                if self._stopping.is_set():
-                    raise _stopping() from None
-                if backend.aborted:
-                    raise _timed_out(url, self.timeouts.deadline_s) from None
+                self._check_not_cut(url, backend)
                 raise _short(url, progress.done, announced) from None
+            # A body with no length of its own ends when the connection does, and so ends one the watchdog shut.
+            self._check_not_cut(url, backend)
             if announced is not None and progress.done < announced:
                 raise _short(url, progress.done, announced)
             if not announced:

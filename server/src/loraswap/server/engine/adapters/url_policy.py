@@ -99,6 +99,8 @@ def _resolve(host: str, port: int, timeout_s: float) -> list:
             outcome["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError) as error:
             outcome["error"] = error
+        except Exception:  # noqa: BLE001 - whatever else the resolver raises: no address
+            outcome["error"] = socket.gaierror(socket.EAI_FAIL, "the lookup failed")
 
     thread = threading.Thread(target=lookup, name="loraswap-dns", daemon=True)
     thread.start()
@@ -182,7 +184,9 @@ class UrlPolicy:
         return label
 
     def token_for(self, host: str) -> str | None:
-        for rule, token in self.tokens.items():  # a copy: a reload on another thread swaps the whole mapping
+        """The token of the most specific rule matching `host`: its own name first, then the longest `*.` domain."""
+        rules = self.tokens.items()  # a copy: a reload on another thread swaps the whole mapping
+        for rule, token in sorted(rules, key=lambda item: (item[0].startswith("*."), -len(item[0]))):
             if host_matches(rule, host):
                 return token
         return None
