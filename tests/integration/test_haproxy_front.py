@@ -36,10 +36,11 @@ if shutil.which("haproxy") is None:
 PROMPT = "a red circle on a blue background"
 SERVE_FLAGS = ["--no-compile", "--torch-threads", "1", "--log-level", "WARNING", "--grace-seconds", "30"]
 # Long enough that a generation left running would hold its replica for many seconds (the most steps a request
-# may ask for, at 128x128 the shapes model takes 40-110 ms a step on one thread): a call that should have
-# stopped but did not is unmistakable.
+# may ask for, at 192x192, where a step of the shapes model on one thread costs about 2.25 times its 30-110 ms at
+# 128x128): a call that should have stopped but did not is unmistakable. At 128x128 a quiet two-core machine ran
+# 200 steps in 6 s, too few for the deadline test's margin (five times two steps and SLACK_MS left after 1.5 s).
 LONG_STEPS = 200
-LONG_SIZE = 128
+LONG_SIZE = 192
 # What a busy two-core machine may add to "within a step": scheduling, the proxy hop, the next call's set-up.
 SLACK_MS = 750.0
 # Each test names its own adapters (copies of the shipped ones), so what one replica holds is that test's doing.
