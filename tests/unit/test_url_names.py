@@ -137,3 +137,15 @@ def test_a_comma_inside_a_urls_query_does_not_split_it() -> None:
         "purple",
     )
     assert split_names("outline, ,purple") == ("outline", "purple")
+
+
+def test_preload_and_evict_take_a_url_with_its_identity_as_the_lora_metadata() -> None:
+    from loraswap.server.engine.errors import InvalidRequestError
+    from loraswap.server.transport.convert import adapter_with_lora_metadata
+
+    url = f"{S3}?X-Amz-Signature={SECRET}"
+    assert adapter_with_lora_metadata(url, (S3,)) == url  # the field's full URL is the one that can be fetched
+    assert adapter_with_lora_metadata("", (S3,)) == S3
+    with pytest.raises(InvalidRequestError) as mismatch:
+        adapter_with_lora_metadata(url, ("https://other.example.com/x",))
+    assert mismatch.value.reason == "ADAPTER_MISMATCH" and SECRET not in mismatch.value.message

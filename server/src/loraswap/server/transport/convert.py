@@ -11,7 +11,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from loraswap.server.engine.adapters.sources import split_names
-from loraswap.server.engine.adapters.url_names import is_url_name, parse_url_name
+from loraswap.server.engine.adapters.url_names import is_url_name, loggable_name, parse_url_name
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,
@@ -121,12 +121,6 @@ def lora_names(metadata) -> tuple[str, ...]:
     return ()
 
 
-def _loggable(name: str) -> str:
-    from loraswap.server.engine.adapters.url_names import loggable_name
-
-    return loggable_name(name)
-
-
 def _metadata_mismatch(names: tuple[str, ...], requested: tuple[str, ...]):
     from loraswap.server.engine.errors import ErrorReason, InvalidRequestError, shorten
 
@@ -161,16 +155,15 @@ def with_lora_metadata(request: GenerationRequest, names: tuple[str, ...]) -> Ge
 
 
 def adapter_with_lora_metadata(adapter: str, names: tuple[str, ...]) -> str:
-    """PreloadAdapter / Evict: the adapter field, or the one adapter the `lora` metadata names; they must agree."""
+    """PreloadAdapter / Evict: the adapter field, or the one adapter the `lora` metadata names; they must agree, a
+    URL by its identity (clients send the full URL in the field and its identity as the metadata): the field's
+    then wins, for it is the one that can be fetched."""
     if not names:
         return adapter
-    if len(names) != 1 or (adapter and adapter != names[0]):
-        if len(names) == 1 and adapter and _loggable(adapter) == _loggable(names[0]):
-            return adapter  # one URL, sent with and without its query: the field's is the full one
-        names = tuple(map(_loggable, names))
-        adapter = _loggable(adapter)
-        raise _metadata_mismatch(names, (adapter,) if adapter else ())
-    return names[0]
+    if len(names) != 1 or (adapter and loggable_name(adapter) != loggable_name(names[0])):
+        requested = (loggable_name(adapter),) if adapter else ()
+        raise _metadata_mismatch(tuple(map(loggable_name, names)), requested)
+    return adapter or names[0]
 
 
 # -- replies: domain records written as their messages, field by field -----------------------------------

@@ -114,13 +114,6 @@ class DownloadCache:
             if not self._reading.get(sha256):
                 self.path_of(sha256).unlink()
 
-    def total_bytes(self) -> int:
-        total = 0
-        for path in self._files.glob("*.safetensors"):
-            with contextlib.suppress(OSError):
-                total += path.stat().st_size
-        return total
-
     @contextlib.contextmanager
     def room(self, needed: int) -> Iterator[None]:
         """Room for a download of `needed` bytes (its Content-Length; 0: not announced), held until the block ends,

@@ -76,6 +76,16 @@ def read_safetensors_metadata(path: Path, max_bytes: int = 0) -> dict:
         return {}
 
 
+def has_safetensors_header(path: Path) -> bool:
+    """Whether a file opens as a safetensors file does: a header length that fits the file, then a JSON object."""
+    try:
+        with open(path, "rb") as handle:
+            _, length = _header(handle, min(MAX_HEADER_BYTES, max(0, path.stat().st_size - 8)))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return length > 0
+
+
 # safetensors' dtype names -> (torch's, bytes per element).
 _DTYPES = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING
 
 from loraswap.adapter_urls import url_identity
 from loraswap.server.engine.adapters.url_names import is_url_name, parse_url_name
+from loraswap.server.engine.adapters.url_policy import UrlPolicy
 from loraswap.server.engine.errors import (
     AdapterFormatError,
     AdapterNameError,
     AdapterNotFoundError,
     AdapterTooLargeError,
+    EngineError,
     ErrorReason,
     HubDisabledError,
     shorten,
@@ -341,15 +343,8 @@ class AdapterSources:
         fetch."""
         check_name(name)
         if is_url_name(name):
-            if self.urls is None:
-                from loraswap.server.engine.errors import ErrorReason, UrlRefusedError
-
-                raise UrlRefusedError(
-                    f"this server fetches no adapter URLs ({parse_url_name(name).origin}); its operator allows hosts "
-                    "with --allow-url-host",
-                    reason=ErrorReason.URL_HOST_NOT_ALLOWED,
-                )
-            self.urls.check(parse_url_name(name))
+            # No fetcher: no host is allowed, and the policy of none says so.
+            (self.urls.policy if self.urls is not None else UrlPolicy()).check(parse_url_name(name))
 
     def close(self) -> None:
         """Stop downloads under way at their next read (the engine stops)."""
@@ -365,11 +360,9 @@ class AdapterSources:
         """Keep a URL adapter's downloaded file on disk while the block reads it (the fetch claimed it), then release
         it; when the block raises an EngineError (the bytes are no usable adapter), remove it, so that nothing of
         it stays cached."""
-        if found.sha256 is None or self.urls is None or self.urls.cache is None:
+        if found.sha256 is None:
             yield
             return
-        from loraswap.server.engine.errors import EngineError
-
         try:
             with self.urls.cache.reading(found.sha256):
                 yield
@@ -401,7 +394,7 @@ class AdapterSources:
         url = parse_url_name(link if link is not None else identity)
         if url.identity != parse_url_name(identity).identity:
             raise AdapterNameError(f"the link given for {identity} names another identity")  # never: convert's
-        pinned_on_disk = url.sha256 is not None and self.urls.cache is not None and self.urls.cache.has(url.sha256)
+        pinned_on_disk = url.sha256 is not None and self.urls.cache.has(url.sha256)
         # An identity given as the name (no link came with it) has a digest where its query was: not fetchable.
         digest_only = "?" in url.link and url_identity(url.link) == url.link
         if digest_only and not pinned_on_disk:

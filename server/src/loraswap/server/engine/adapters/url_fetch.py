@@ -37,6 +37,7 @@ from pathlib import Path
 from urllib.parse import urljoin
 
 from loraswap.server.engine.adapters.download_cache import DownloadCache, UrlRecord
+from loraswap.server.engine.adapters.safetensors_file import has_safetensors_header
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.adapters.url_names import UrlName, parse_url_name
 from loraswap.server.engine.adapters.url_policy import UrlPolicy
@@ -103,14 +104,6 @@ def _has_ssl_cause(error: BaseException) -> bool:
         if seen is None:
             return False
     return False
-
-
-def looks_like_safetensors(head: bytes, size: int) -> bool:
-    """Whether a file's first bytes are a safetensors header: a little-endian length that fits, then '{'."""
-    if len(head) < 9:
-        return False
-    header_bytes = int.from_bytes(head[:8], "little")
-    return 2 <= header_bytes <= size - 8 and head[8:9] == b"{"
 
 
 class _CheckedAddressBackend:
@@ -220,10 +213,6 @@ class UrlAdapterSource:
         """The download of `identity` under way now, or None."""
         with self._lock:
             return self._progress.get(identity)
-
-    def check(self, url: UrlName) -> None:
-        """Refuse a URL this server may not fetch, before anything is loaded or sent (UrlRefusedError)."""
-        self.policy.check(url)
 
     def fetch(self, url: UrlName) -> AdapterFile:
         """A local file holding the adapter `url` names, downloaded if need be (on a loader thread)."""
@@ -513,12 +502,9 @@ class UrlAdapterSource:
 
         shown = f"{url.origin}{url.path}"
         digest = hashlib.sha256()
-        head = b""
         with self.cache.partial_file() as (partial, handle):
             try:
                 for chunk in response.iter_stream():  # each read as it comes
-                    if len(head) < 9:
-                        head += chunk[:9]
                     digest.update(chunk)
                     handle.write(chunk)
                     progress.done += len(chunk)
@@ -547,7 +533,8 @@ class UrlAdapterSource:
                     reason=ErrorReason.URL_CHECKSUM_MISMATCH,
                     sha256=sha256,
                 )
-            if not looks_like_safetensors(head, progress.done):
+            handle.flush()
+            if not has_safetensors_header(partial):
                 raise UrlFetchError(
                     f"{shown} gave {progress.done} bytes that are not a safetensors file (an error page, or another "
                     "format?); loraswap reads safetensors only",

@@ -123,9 +123,8 @@ def parse_url_name(name: str) -> UrlName:
             )
         sha256 = match.group(1).lower()
     path = parts.path or "/"
-    shown_host = f"[{host}]" if ":" in host else host
-    origin = f"{scheme}://{shown_host}" + ("" if port == URL_DEFAULT_PORTS[scheme] else f":{port}")
     identity = url_identity(name)
+    origin = identity[: identity.index("/", len(scheme) + 3)]  # the identity's scheme://host[:port], up to its path
     link = name.split("#", 1)[0]
     return UrlName(
         identity=identity, link=link, origin=origin, scheme=scheme, host=host, port=port, path=path, sha256=sha256
