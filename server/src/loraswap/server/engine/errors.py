@@ -87,6 +87,7 @@ class ErrorReason(str, enum.Enum):
     URL_CHECKSUM_MISMATCH = "URL_CHECKSUM_MISMATCH"
     URL_NOT_SAFETENSORS = "URL_NOT_SAFETENSORS"
     DISK_CACHE_FULL = "DISK_CACHE_FULL"
+    ADAPTER_MIXED_KINDS = "ADAPTER_MIXED_KINDS"
 
     def __str__(self) -> str:
         # The wire string, on every Python version (3.10 would print "ErrorReason.NAME").
