@@ -36,7 +36,7 @@ from loraswap.server.engine.fuse_policy import (
     warm_up_graphs,
 )
 from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
-from loraswap.server.engine.pipeline.attention import apply_attention, resolve_attention
+from loraswap.server.engine.pipeline.attention import choose_attention
 from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, compile_counting
 from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
@@ -268,7 +268,7 @@ def quantize(config: EngineConfig, loaded: LoadedModel) -> StoredWeights:
 
 def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: InstalledSlot) -> CompiledDenoiser:
     """Set the attention backend (the graphs are traced from it), then torch.compile the denoiser as --compile says."""
-    attention_backend = apply_attention(loaded.denoiser, resolve_attention(config.attention, loaded.device))
+    attention_backend = choose_attention(config.attention, loaded)  # measured on Hopper when unset
     kind = resolve_compile_kind(config.compile, loaded.device.type)
     mode = effective_compile_mode(config.compile_mode, loaded.device.type)
     if mode != config.compile_mode:
