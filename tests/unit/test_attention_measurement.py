@@ -34,7 +34,9 @@ torch.set_num_threads(1)
 
 FLUX_SHAPE = AttentionShape(batch=1, heads=24, tokens=4608, head_dim=128)
 EVERY_PACKAGE = frozenset(MEASURED_BACKENDS)
-TORCH_ONLY = frozenset({"_native_cudnn", "_native_flash", "_native_efficient"})
+TORCH_ORDER = ("_native_cudnn", "_native_flash", "_native_efficient")  # torch's own kernels, in measuring order
+TORCH_ONLY = frozenset(TORCH_ORDER)
+HUB = ("_flash_3_hub", "flash_hub")
 
 
 def _hopper() -> bool:
@@ -49,10 +51,10 @@ def _never_measure(*args, **kwargs) -> AttentionTimings:
     ("capability", "packages", "names", "eligible"),
     [
         ((9, 0), EVERY_PACKAGE, MEASURED_BACKENDS, MEASURED_BACKENDS),
-        ((9, 0), TORCH_ONLY, MEASURED_BACKENDS, ("_native_cudnn", "_native_flash", "_native_efficient")),
-        ((9, 0), TORCH_ONLY | {"_flash_3"}, MEASURED_BACKENDS, ("_flash_3", "_native_cudnn", "_native_flash", "_native_efficient")),
+        ((9, 0), TORCH_ONLY, MEASURED_BACKENDS, TORCH_ORDER),
+        ((9, 0), TORCH_ONLY | {"_flash_3"}, MEASURED_BACKENDS, ("_flash_3", *TORCH_ORDER)),
         # A Hub kernel is fetched at start-up: never a candidate, even with `kernels` installed.
-        ((9, 0), {"_flash_3_hub", "flash_hub", "_native_cudnn"}, ("_flash_3_hub", "flash_hub", "_native_cudnn"), ("_native_cudnn",)),
+        ((9, 3), {*HUB, "_native_cudnn"}, (*HUB, "_native_cudnn"), ("_native_cudnn",)),
         ((8, 0), EVERY_PACKAGE, MEASURED_BACKENDS, ()),  # Ampere: native, as torch chooses
         ((8, 9), EVERY_PACKAGE, MEASURED_BACKENDS, ()),
         ((10, 0), EVERY_PACKAGE, MEASURED_BACKENDS, ()),

@@ -21,6 +21,7 @@ GetServerInfo.attention_backend names the kernel family that runs: the diffusers
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 import time
@@ -51,7 +52,9 @@ TIMED_CALLS = 5
 # rounded differently (bf16 kernels differ by well under 1%), and is skipped.
 AGREEMENT = 0.05
 # torch's SDPA kernels, as the `native/<kernel>` label names them.
-_SDPA_KERNELS = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn", "MATH": "math"}
+_SDPA_KERNELS = {
+    "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn", "MATH": "math",
+}  # fmt: skip
 
 
 def attention_backends() -> tuple[str, ...]:
@@ -225,7 +228,7 @@ def time_backends(
         warnings.simplefilter("ignore")
         try:
             reference = run(NATIVE)
-        except Exception as error:  # nothing to check the candidates against: none is measured, native runs
+        except Exception as error:  # noqa: BLE001 - nothing to check the candidates against: none measured
             return AttentionTimings(shape, {}, {NATIVE: _reason(error)}, time.perf_counter() - started)
         for name in names:
             try:
@@ -233,8 +236,8 @@ def time_backends(
                 if problem is not None:
                     skipped[name] = problem
                     continue
-                seconds[name] = statistics.median(_call_seconds(lambda: run(name), calls, device))
-            except Exception as error:  # a backend that cannot run this shape, dtype or device says so by raising
+                seconds[name] = statistics.median(_call_seconds(functools.partial(run, name), calls, device))
+            except Exception as error:  # noqa: BLE001 - a backend that cannot run this shape or dtype raises
                 skipped[name] = _reason(error)
     return AttentionTimings(shape, seconds, skipped, time.perf_counter() - started)
 
@@ -309,8 +312,10 @@ def sdpa_kernel(shape: AttentionShape, dtype: torch.dtype, device: torch.device)
     `fa3`/`fa4` when torch's flash kernel is swapped for one), or None when torch cannot say."""
     from torch.nn.attention import SDPBackend
 
-    # SDPA's layout: (batch, heads, tokens, dim); what it chooses depends on sizes, dtype and the device only.
-    query = torch.empty(shape.batch, shape.heads, shape.tokens, shape.head_dim, dtype=dtype, device=device)
+    # What native hands SDPA: the denoiser's (batch, tokens, heads, dim) seen as (batch, heads, tokens, dim). The
+    # choice reads sizes, strides, dtype and device, never values.
+    size = (shape.batch, shape.tokens, shape.heads, shape.head_dim)
+    query = torch.empty(size, dtype=dtype, device=device).permute(0, 2, 1, 3)
     try:
         kernel = _SDPA_KERNELS.get(SDPBackend(torch._fused_sdp_choice(query, query, query)).name)
     except (AttributeError, RuntimeError, ValueError):  # a torch without the query, or a choice it cannot name
