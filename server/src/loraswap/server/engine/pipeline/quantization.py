@@ -4,7 +4,9 @@
 float8 weight, per-tensor scales) needs a CUDA device of compute capability 8.9 or higher (Ada, Hopper and later) and is
 refused at start-up elsewhere. Quantization runs after the swap slot is installed and before any compile: only
 the plain `torch.nn.Linear` layers of the denoiser are chosen (a LoRA layer's `base_layer` is one), never the
-slot's lora_A / lora_B factors, so swaps remain in-place copies into the same tensors.
+slot's lora_A / lora_B factors, so swaps remain in-place copies into the same tensors. Fused swaps (--fuse
+auto|always) merge into fp8 weights by requantizing them in place from the pristine copies the slot phase took in the
+model's dtype, before this ran (adapters/fp8_merges.py); int8wo weights are served unfused only.
 """
 
 from __future__ import annotations
@@ -81,12 +83,18 @@ def quantize_denoiser(denoiser: torch.nn.Module, quantization: str) -> None:
         quantize_,
     )
 
+    # set_inductor_config=False: torchao would otherwise turn on inductor's coordinate-descent tuning (in all
+    # directions) for the whole process, so every Triton kernel the warm-up compiles is benchmarked in many variants,
+    # each compiled on the host: fp8 start-ups on an H200 ran 220-340 s with the GPU 0-10% busy. Tuning belongs to
+    # --compile-mode (max-autotune turns it on); ostris/ai-toolkit#951 measured 5-10x faster compiles without it
+    # for about 2% slower steps.
     config = (
-        Int8WeightOnlyConfig()
+        Int8WeightOnlyConfig(set_inductor_config=False)
         if quantization == "int8wo"
         # Per-tensor scales, torchao's default and the diffusers fast-LoRA recipe's: on torch 2.11 + CUDA 13 the
         # per-row variant's compiled _scaled_mm failed on an H200 (CUBLAS_STATUS_NOT_SUPPORTED, BENCHMARKS.md).
-        else Float8DynamicActivationFloat8WeightConfig()
+        # Fused merges (adapters/fp8_merges.py) write these per-tensor weights in place.
+        else Float8DynamicActivationFloat8WeightConfig(set_inductor_config=False)
     )
     quantize_(denoiser, config, filter_fn=_is_base_linear)
 
