@@ -25,7 +25,7 @@ CHOICES = [
     ("auto", True, True, 16, 20.0, 30.0, False),
     ("auto", True, True, None, 0.0, 1e9, True),  # the slot cannot hold it (DoRA, rank past max): fused
     ("auto", True, False, 16, 100.0, 1.0, False),  # the base model: nothing to fuse
-    ("auto", False, True, 16, 100.0, 1.0, False),  # quantized weights: auto never fuses
+    ("auto", False, True, 16, 100.0, 1.0, False),  # int8 weight-only weights: auto never fuses
     ("always", True, True, 16, 0.0, 1e9, True),
     ("always", True, False, 16, 0.0, 0.0, False),
     ("never", True, True, 16, 100.0, 0.0, False),

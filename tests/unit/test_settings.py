@@ -285,6 +285,26 @@ def test_fuse_settings_the_engine_cannot_run_are_refused_in_one_line(argv: list[
     assert named in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    ("fuse", "quantize", "fuses"),
+    [
+        ("auto", "none", True), ("always", "none", True), ("never", "none", False),
+        # fp8 weights are requantized in place from pristine copies: both policies that merge, merge them.
+        ("auto", "fp8", True), ("always", "fp8", True), ("never", "fp8", False),
+        # int8 weight-only weights are served unfused only (always is refused above).
+        ("auto", "int8wo", False), ("never", "int8wo", False),
+    ],
+)  # fmt: skip
+def test_fp8_weights_fuse_and_int8_weight_only_ones_are_served_unfused(fuse, quantize, fuses) -> None:
+    assert _settings(["--fuse", fuse, "--quantize", quantize]).engine.fuses is fuses
+
+
+def test_fuse_always_with_int8_weight_only_says_what_does_fuse() -> None:
+    with pytest.raises(SettingsError) as refused:
+        _settings(["--fuse", "always", "--quantize", "int8wo"])
+    assert "unfused only" in str(refused.value) and "--quantize none or fp8" in str(refused.value)
+
+
 def test_fuse_defaults_to_auto_and_is_one_of_three() -> None:
     assert _settings([]).engine.fuse == "auto"
     with pytest.raises(SystemExit):

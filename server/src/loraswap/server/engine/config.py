@@ -25,7 +25,7 @@ from loraswap.server.engine.compile_options import (
 )
 from loraswap.server.engine.fuse_policy import FUSE_POLICIES
 from loraswap.server.engine.models import BUILTINS
-from loraswap.server.engine.quantize_options import QUANTIZATIONS, quantize_option_problem
+from loraswap.server.engine.quantize_options import FUSABLE_QUANTIZATIONS, QUANTIZATIONS, quantize_option_problem
 from loraswap.server.engine.rank_buckets import parse_rank_buckets, resolve_rank_buckets
 
 DEFAULT_MAX_RANK = 64
@@ -208,7 +208,8 @@ class EngineConfig:
     quantize: str = setting(
         "none",
         "torchao storage of the denoiser's base linear weights (LoRA factors never): int8 weight-only (CPU and "
-        "CUDA) or fp8 (CUDA, compute capability 8.9+)",
+        "CUDA; adapters are then served unfused only: --fuse auto never merges, --fuse always is refused) or fp8 "
+        "(CUDA, compute capability 8.9+; fused merges requantize the weights from pristine copies, in place)",
         choices=QUANTIZATIONS,
     )
     # A diffusers attention backend (pipeline/attention.py); None: the fastest installed on CUDA, native elsewhere.
@@ -349,10 +350,11 @@ class EngineConfig:
                 f"--text-encoder-layers {self.text_encoder_layers!r} is not one of "
                 f"{', '.join(TEXT_ENCODER_LAYER_POLICIES)}"
             )
-        if self.fuse == "always" and self.quantize != "none":
+        if self.fuse == "always" and self.quantize not in FUSABLE_QUANTIZATIONS:
             raise SettingsError(
-                f"--fuse always merges adapters into the base weights, which --quantize {self.quantize} stores "
-                "quantized; use --fuse auto (it never fuses quantized weights) or --quantize none"
+                f"--fuse always merges adapters into the base weights, and --quantize {self.quantize} weights are "
+                f"served unfused only; use --fuse auto (it serves them unfused), or --quantize "
+                f"{' or '.join(FUSABLE_QUANTIZATIONS)}"
             )
         if self.fuse_memory_bytes is not None and self.fuse_memory_bytes < 0:
             raise SettingsError(
@@ -388,9 +390,10 @@ class EngineConfig:
 
     @property
     def fuses(self) -> bool:
-        """Whether swaps may merge adapters into the base weights: a policy other than never, weights not quantized
-        (auto never fuses quantized weights; always refuses them)."""
-        return self.fuse != "never" and self.quantize == "none"
+        """Whether swaps may merge adapters into the base weights: a policy other than never, and weights as loaded
+        or fp8 (requantized in place from pristine copies). int8 weight-only weights are served unfused only: auto
+        never fuses them, always refuses them."""
+        return self.fuse != "never" and self.quantize in FUSABLE_QUANTIZATIONS
 
 
 def check_setting(check: Callable[..., object], *args: object) -> None:
