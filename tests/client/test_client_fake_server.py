@@ -89,7 +89,8 @@ def image_for(request: pb.GenerateRequest) -> pb.Image:
         adapter=request.adapter,
         adapter_scale=request.adapter_scale if request.HasField("adapter_scale") else 1.0,
         timings=pb.Timings(
-            queue_ms=1.0, adapter_load_ms=2.0, adapter_swap_ms=3.0, denoise_ms=4.0, decode_ms=5.0, total_ms=15.0
+            queue_ms=1.0, adapter_load_ms=2.0, adapter_swap_ms=3.0, denoise_ms=4.0, decode_ms=5.0, total_ms=15.0,
+            encode_prompt_ms=0.5, encode_image_ms=1.5,
         ),
         warnings=["dropped 4 text-encoder layers"],
         adapters=applied_adapters(request),
@@ -230,7 +231,8 @@ async def test_generate_yields_typed_events_in_order(client: AsyncLoraswapClient
             adapter="styles/ink",
             adapter_scale=0.8,
             timings=Timings(
-                queue_ms=1.0, adapter_load_ms=2.0, adapter_swap_ms=3.0, denoise_ms=4.0, decode_ms=5.0, total_ms=15.0
+                queue_ms=1.0, adapter_load_ms=2.0, adapter_swap_ms=3.0, denoise_ms=4.0, decode_ms=5.0, total_ms=15.0,
+                encode_prompt_ms=0.5, encode_image_ms=1.5,
             ),
             warnings=("dropped 4 text-encoder layers",),
             adapters=(StackedAdapter("styles/ink", 0.8),),
@@ -538,6 +540,8 @@ async def test_cli_generate_writes_image_and_prints_summary(
             "denoise_ms": 4.0,
             "decode_ms": 5.0,
             "total_ms": 15.0,
+            "encode_prompt_ms": 0.5,
+            "encode_image_ms": 1.5,
         },
         "warnings": ["dropped 4 text-encoder layers"],
         "adapters": [{"adapter": "styles/ink", "scale": 0.8}],

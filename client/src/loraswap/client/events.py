@@ -92,9 +92,11 @@ class Timings:
     queue_ms: float
     adapter_load_ms: float
     adapter_swap_ms: float
-    denoise_ms: float
-    decode_ms: float
+    denoise_ms: float  # the prompt encoded and the steps run
+    decode_ms: float  # from the last step to the file written: the VAE decode, then the encoding
     total_ms: float
+    encode_prompt_ms: float  # the part of denoise_ms spent in the text encoders
+    encode_image_ms: float  # the part of decode_ms spent writing the file (PNG, JPEG, WebP)
 
     @classmethod
     def from_pb(cls, message: pb.Timings) -> Timings:
