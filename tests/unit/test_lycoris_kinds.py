@@ -226,3 +226,83 @@ def test_a_merge_past_the_pristine_budget_is_refused_and_changes_nothing(runtime
     assert raised.value.reason == "FUSE_MEMORY_EXCEEDED" and "--fuse-memory-bytes" in raised.value.message
     assert all(torch.equal(module.weight, before[key]) for key, module in tight.installed.model_layers.modules.items())
     assert not tight.residency.resident_adapters
+
+
+def _first_layer(tensors, suffix: str) -> str:
+    """The kohya layer name (without the tensor) of the first unet layer holding `suffix`."""
+    return _first(tensors, suffix).rsplit(".", 1)[0]
+
+
+def _add_lora_beside_loha(tensors) -> None:
+    layer = _first_layer(tensors, ".hada_w1_a")
+    out_features, in_features = tensors[f"{layer}.hada_w1_a"].shape[0], tensors[f"{layer}.hada_w1_b"].shape[1]
+    tensors[f"{layer}.lora_up.weight"] = torch.full((out_features, 2), 0.1)
+    tensors[f"{layer}.lora_down.weight"] = torch.full((2, in_features), 0.1)
+
+
+def _add_lokr_beside_loha(tensors) -> None:
+    layer = _first_layer(tensors, ".hada_w1_a")
+    tensors[f"{layer}.lokr_w1"] = torch.ones(1, 1)
+    tensors[f"{layer}.lokr_w2"] = torch.full((tensors[f"{layer}.hada_w1_a"].shape[0], 1), 0.1)
+
+
+@pytest.mark.parametrize(
+    ("edit", "kinds"),
+    [(_add_lora_beside_loha, "LoHa,LoRA"), (_add_lokr_beside_loha, "LoHa,LoKr")],
+    ids=["loha-and-lora-keys", "loha-and-lokr-keys"],
+)
+def test_a_layer_with_the_tensors_of_two_kinds_is_refused_naming_them(runtime, lycoris_dir, tmp_path, edit, kinds):
+    """Served as one kind, the other's tensors would be dropped with no word: the layer is refused instead."""
+    edited = _edited(lycoris_dir, tmp_path, "loha", edit)
+    with pytest.raises(AdapterFormatError) as raised:
+        _load(runtime, tmp_path, edited)
+    error = raised.value
+    assert error.reason == "ADAPTER_MIXED_KINDS" and error.metadata["kinds"] == kinds, error.message
+    assert error.metadata["layer"] in error.message and "one kind per layer" in error.message
+
+
+def test_a_lokr_side_stored_both_whole_and_as_a_product_is_refused(runtime, lycoris_dir, tmp_path) -> None:
+    def both(tensors) -> None:
+        layer = _first_layer(tensors, ".lokr_w2_a") if any(k.endswith(".lokr_w2_a") for k in tensors) else None
+        layer = layer or _first_layer(tensors, ".lokr_w2")
+        w2 = tensors.get(f"{layer}.lokr_w2")
+        if w2 is None:
+            tensors[f"{layer}.lokr_w2"] = tensors[f"{layer}.lokr_w2_a"] @ tensors[f"{layer}.lokr_w2_b"]
+        else:
+            tensors[f"{layer}.lokr_w2_a"], tensors[f"{layer}.lokr_w2_b"] = torch.ones(w2.shape[0], 1), w2[:1]
+
+    edited = _edited(lycoris_dir, tmp_path, "lokr", both)
+    with pytest.raises(AdapterFormatError) as raised:
+        _load(runtime, tmp_path, edited)
+    assert raised.value.reason == "ADAPTER_MALFORMED" and "both whole (lokr_w2)" in raised.value.message
+
+
+def test_a_tucker_core_of_the_wrong_shape_is_refused_in_our_words(runtime, lycoris_dir, tmp_path) -> None:
+    def bad_core(tensors) -> None:
+        key = _first(tensors, ".hada_t1")
+        tensors[key] = torch.ones(*tensors[key].shape[:-1], tensors[key].shape[-1] + 2)
+
+    edited = _edited(lycoris_dir, tmp_path, "loha-tucker", bad_core)
+    with pytest.raises(AdapterFormatError) as raised:
+        _load(runtime, tmp_path, edited)
+    message = raised.value.message
+    assert raised.value.reason == "ADAPTER_SHAPE_MISMATCH" and "hada_t1 (" in message, message
+    # Our words: the factors' shapes, not the text of the torch operation that gave up on them.
+    assert not any(word in message for word in ("broadcast", "Attempting", "dimension of length", "einsum")), message
+
+
+def test_oft_and_boft_files_get_labels_of_their_own(runtime, lycoris_dir, tmp_path) -> None:
+    """diag-OFT's blocks are (blocks, size, size), BOFT's carry a leading axis of butterfly stages."""
+    with pytest.raises(AdapterFormatError) as oft:
+        _load(runtime, lycoris_dir, "diag-oft")
+
+    def boft(tensors) -> None:
+        for key in [key for key in tensors if key.endswith(".oft_blocks")]:
+            tensors[key] = tensors[key].unsqueeze(0).repeat(2, 1, 1, 1)
+
+    with pytest.raises(AdapterFormatError) as butterfly:
+        _load(runtime, tmp_path, _edited(lycoris_dir, tmp_path, "diag-oft", boft))
+    labels = oft.value.metadata["kind"], butterfly.value.metadata["kind"]
+    assert labels[0].startswith("OFT") and labels[1].startswith("BOFT"), labels
+    assert all(error.value.reason == "ADAPTER_KIND_UNSUPPORTED" for error in (oft, butterfly))
+    assert "BOFT" not in oft.value.message and labels[1] in butterfly.value.message

@@ -31,9 +31,9 @@ LAYER_TENSORS = frozenset({
 })  # fmt: skip
 # What the tensors of the LyCORIS kinds this server does not merge are called, and the kind's name.
 UNSUPPORTED_KIND_TENSORS = {
-    "oft_blocks": "OFT / BOFT (orthogonal fine-tuning)",
+    "oft_blocks": "OFT (orthogonal fine-tuning)",  # BOFT's are 4-dimensional: _unsupported_kind tells them apart
     "oft_diag": "OFT (orthogonal fine-tuning)",
-    "rescale": "BOFT (orthogonal fine-tuning)",
+    "rescale": "OFT or BOFT (orthogonal fine-tuning) rescaling",
     "on_input": "IA³",
     "weight": "IA³",
     "a1.weight": "GLoRA", "a2.weight": "GLoRA", "b1.weight": "GLoRA", "b2.weight": "GLoRA", "bm.weight": "GLoRA",
@@ -41,7 +41,16 @@ UNSUPPORTED_KIND_TENSORS = {
     "lambda_layer": "T-LoRA", "q_layer.weight": "T-LoRA", "p_layer.weight": "T-LoRA",
     "lokr_t1": "LoKr with a Tucker core on w1",
 }  # fmt: skip
+BOFT = "BOFT (butterfly orthogonal fine-tuning)"
 _LAYER_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _unsupported_kind(name: str, tensor: torch.Tensor) -> str:
+    """The label of the refused kind a tensor belongs to: LyCORIS's OFT and BOFT share the name `oft_blocks`, BOFT's
+    with a leading axis of butterfly stages (m, blocks, size, size), diag-OFT's without (blocks, size, size)."""
+    if name == "oft_blocks" and tensor.dim() == 4:
+        return BOFT
+    return UNSUPPORTED_KIND_TENSORS[name]
 
 
 Rows = tuple[tuple[int, int], ...]  # [start, stop) ranges of a stacked layer's rows, in order
@@ -122,9 +131,11 @@ def refuse_unsupported_kinds(state_dict: Mapping[str, torch.Tensor]) -> None:
         split = _split_key(key)
         tensor = split[1] if split is not None else key
         if tensor in UNSUPPORTED_KIND_TENSORS:
-            unsupported.setdefault(UNSUPPORTED_KIND_TENSORS[tensor], []).append(key)
+            unsupported.setdefault(_unsupported_kind(tensor, state_dict[key]), []).append(key)
         elif tensor not in LAYER_TENSORS:
             unknown.append(key)
+    if len(unsupported) > 1:  # rescaling says less than the blocks it rescales
+        unsupported.pop(UNSUPPORTED_KIND_TENSORS["rescale"], None)
     if unsupported:
         kind, keys = next(iter(sorted(unsupported.items())))
         raise AdapterFormatError(

@@ -3,7 +3,7 @@ model layer it changes before anything is cached.
 
 The kind is told by the tensors' names (LyCORIS's module `weight_list`s): `lora_up/lora_down` (+ `lora_mid`) LoRA
 and LoCon, `hada_*` LoHa, `lokr_*` LoKr, `diff` (+ `diff_b`) a full difference; `alpha` and `dora_scale` go with
-any of them. Every tensor must be floating point and finite, and the change must rebuild to the layer's weight
+any of them. A layer with the tensors of two kinds is refused, never served as one of them. Every tensor must be floating point and finite, and the change must rebuild to the layer's weight
 shape (checked on the meta device: no arithmetic is done here). Factors keep the file's dtype: the dense change
 is formed from them, in float32, only when a fused swap merges the layer.
 """
@@ -76,32 +76,72 @@ def _alpha(layer: FileLayer) -> float | None:
     return value
 
 
+# The tensors that make each kind's weight change (LyCORIS's `weight_list`s); `alpha`, `dora_scale` and `diff_b` go
+# beside any of them. A layer carrying the tensors of two kinds is refused (ADAPTER_MIXED_KINDS): which change it
+# makes is ambiguous, and serving one kind would drop the other's tensors unseen.
+KIND_TENSORS = {
+    "LoRA": frozenset({"lora_up.weight", "lora_down.weight", "lora_mid.weight"}),
+    "LoHa": frozenset({"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"}),
+    "LoKr": frozenset({"lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"}),
+    "full": frozenset({"diff"}),
+}
+
+
+def _kind_of(layer: FileLayer) -> str | None:
+    """The one kind whose tensors the layer carries; None for none (a bias alone). Raises ADAPTER_MIXED_KINDS."""
+    kinds = sorted(kind for kind, names in KIND_TENSORS.items() if names & layer.tensors.keys())
+    if len(kinds) > 1:
+        held = sorted(name for name in layer.tensors if any(name in KIND_TENSORS[kind] for kind in kinds))
+        raise AdapterFormatError(
+            f"layer {shorten(layer.name)} carries the tensors of {len(kinds)} kinds, {' and '.join(kinds)} "
+            f"({shorten(', '.join(held), 160)}); a layer makes one kind of change: re-export the adapter with one "
+            "kind per layer",
+            reason=ErrorReason.ADAPTER_MIXED_KINDS,
+            layer=layer.name,
+            kinds=",".join(kinds),
+        )
+    return kinds[0] if kinds else None
+
+
+def _one_form(layer: FileLayer, whole: str, product: tuple[str, ...]) -> None:
+    """A LoKr side is stored whole or as a product (with a core), never both: neither is dropped unseen."""
+    present = [name for name in product if name in layer.tensors]
+    if whole in layer.tensors and present:
+        raise AdapterFormatError(
+            f"layer {shorten(layer.name)} stores one LoKr side both whole ({whole}) and as a product "
+            f"({', '.join(present)}); keep one form",
+        )
+
+
 def _weight_change(layer: FileLayer) -> LowRank | Hadamard | Kronecker | Full | None:
     tensors = layer.tensors
+    kind = _kind_of(layer)
     alpha = _alpha(layer)
-    if "lora_up.weight" in tensors or "lora_down.weight" in tensors:
+    if kind == "LoRA":
         down, up = _required(layer, ("lora_down.weight", "lora_up.weight"))
         return LowRank(down, up, tensors.get("lora_mid.weight"), rank_scale(alpha, down.shape[0]))
-    if any(name.startswith("hada_") for name in tensors):
+    if kind == "LoHa":
         w1a, w1b, w2a, w2b = _required(layer, ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"))
         if ("hada_t1" in tensors) != ("hada_t2" in tensors):
             _required(layer, ("hada_t1", "hada_t2"))
         return Hadamard(
             w1a, w1b, w2a, w2b, tensors.get("hada_t1"), tensors.get("hada_t2"), rank_scale(alpha, w1b.shape[0])
         )
-    if any(name.startswith("lokr_") for name in tensors):
+    if kind == "LoKr":
+        _one_form(layer, "lokr_w1", ("lokr_w1_a", "lokr_w1_b"))
+        _one_form(layer, "lokr_w2", ("lokr_w2_a", "lokr_w2_b", "lokr_t2"))
         if "lokr_w1" not in tensors:
             _required(layer, ("lokr_w1_a", "lokr_w1_b"))
         if "lokr_w2" not in tensors:
             _required(layer, ("lokr_w2_a", "lokr_w2_b"))
         change = Kronecker(
             *(tensors.get(name) for name in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")),
-            t2=tensors.get("lokr_t2") if "lokr_w2" not in tensors else None,
+            t2=tensors.get("lokr_t2"),
             scale=1.0,
         )
         # alpha / rank of the side stored as a product; two whole sides ignore alpha (a placeholder scales nothing).
         return dataclasses.replace(change, scale=rank_scale(alpha, change.rank) if change.rank else 1.0)
-    if "diff" in tensors:
+    if kind == "full":
         return Full(tensors["diff"])
     return None
 
@@ -172,8 +212,11 @@ def read_layer(layer: FileLayer, shape: LayerShape, *, pin_memory: bool = False)
         try:
             read.dense_delta(META, shape.weight)
         except (RuntimeError, ValueError, IndexError) as exc:
+            # In our words: the factors' shapes, not the text of whichever torch operation gave up on them.
+            shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in sorted(layer.tensors.items())
+                               if name not in ("alpha", "dora_scale", "diff_b"))  # fmt: skip
             raise _shape_error(
-                layer, shape, f"has factors that do not rebuild its weight ({shorten(exc, 160)})"
+                layer, shape, f"has factors of shapes that do not rebuild its weight ({shorten(shapes, 300)})"
             ) from exc
     if pin_memory:
         read = _pinned(read)
