@@ -245,11 +245,9 @@ CASES = [
                 grpc.StatusCode.FAILED_PRECONDITION, "ADAPTER_LAYER_NOT_TARGETED", "--target-modules"),
     HostileCase("tensor-key-of-20k-characters", _generate("huge-extra-tensor"),
                 grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_UNSUPPORTED_TENSORS", "not plain LoRA factors"),
-    # Finite adapters whose effect is not. This compiled --fuse auto server has no unfused graph to fall back to
-    # (its cost model never runs tiny-flux unfused, so it compiled none): the merge's own refusal. An eager server
-    # runs the stack unfused instead and refuses its output (GENERATION_NOT_FINITE, test_fused_weights.py).
+    # Finite factors whose change is not (1e30 x 1e30): refused where the file loads, before any merge or step.
     HostileCase("adapter-output-overflows", _generate("overflowing"),
-                grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_OUT_OF_RANGE", "lower adapter_scale"),
+                grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_OUT_OF_RANGE", "no strength"),
 ]  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from loraswap.server.engine.adapters.base_model import BaseModelPolicy
 from loraswap.server.engine.adapters.cache import AdapterCache, CacheEntry
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember, load_canonical
+from loraswap.server.engine.adapters.change_effects import refuse_strengths
 from loraswap.server.engine.adapters.sources import (
     AdapterSources,
     HubAdapterSource,
@@ -386,6 +387,8 @@ class DiffusionEngine:
             warnings += tuple(prefix + warning for warning in adapter.warnings)
         if len(stack) > 1 and not self.config.fuses:  # a fused stack is not bounded by the slot's width
             check_stack_fits((adapter for adapter, _ in stack), self.config.max_rank)
+        # Each adapter fits the model's range at strength 1 (checked when it loaded); these strengths may not.
+        refuse_strengths([(adapter.effects, scale) for adapter, scale in stack], self._slot_spec.dtype)
         if len(stack) > 1:
             # The members' content keys order the stack (residency.stack_order): digests of torch tensors, made on
             # a loader thread (once per adapter) rather than on the event loop that queues the job.

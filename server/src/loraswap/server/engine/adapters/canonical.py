@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraswap.server.engine.adapters.base_model import BaseModelPolicy
+from loraswap.server.engine.adapters.change_effects import layer_effect, refuse_out_of_range, slot_effect
 from loraswap.server.engine.adapters.key_layouts import (
     FileLayer,
     file_layers,
@@ -138,6 +139,9 @@ class CanonicalAdapter:
     fits_slot: bool = True
     # (component, module) -> every other change: other kinds, other denoiser layers, text-encoder layers.
     changes: Mapping[tuple[str, str], LayerChange] = field(default_factory=dict)
+    # (component, module) -> how far the adapter moves that layer at strength 1, its largest |ΔW| (change_effects.py):
+    # what admitted it, and what a request's strengths and a merge's overflow bound are checked against.
+    effects: Mapping[tuple[str, str], float] = field(default_factory=dict)
     # A URL adapter's fetch (AdapterFile's): its milliseconds before load_ms, and the body bytes that came.
     download_ms: float = 0.0
     download_bytes: int = 0
@@ -665,6 +669,18 @@ def _admit(read: _ReadAdapter, spec: SlotSpec) -> None:
         )
 
 
+def _effects(read: _ReadAdapter, spec: SlotSpec) -> dict[tuple[str, str], float]:
+    """How far the adapter moves each layer at strength 1 (change_effects.py)."""
+    effects = {
+        (spec.denoiser, module): slot_effect(layer.a, layer.b, layer.magnitude, layer.bias, spec.dtype)
+        for module, layer in read.layers.items()
+    }
+    for (component, module), change in read.changes.items():
+        shape = spec.model_layers.shape(component, module)
+        effects[component, module] = layer_effect(change, shape.weight, spec.dtype)
+    return effects
+
+
 def load_canonical(
     adapter_file: AdapterFile, spec: SlotSpec, base_models: BaseModelPolicy | None = None
 ) -> CanonicalAdapter:
@@ -686,6 +702,8 @@ def load_canonical(
     if others:  # another layout
         read = _read_other_layout(others, metadata, spec).joined(read)
     _admit(read, spec)
+    effects = _effects(read, spec)
+    refuse_out_of_range(effects, spec.dtype)
     return CanonicalAdapter(
         name=adapter_file.name,
         source=adapter_file.source,
@@ -694,6 +712,7 @@ def load_canonical(
         load_ms=(time.perf_counter() - started) * 1000.0,
         fits_slot=_fits_slot(read.layers, read.changes, spec),
         changes=read.changes,
+        effects=effects,
         download_ms=adapter_file.download_ms,
         download_bytes=adapter_file.download_bytes,
     )
