@@ -38,10 +38,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
+    from loraswap.server.devtools.commands import local_model_problem, refuse
+    from loraswap.server.engine.errors import StartupError
     from loraswap.server.engine.quiet_imports import quiet_foreign_packages
 
+    problem = local_model_problem(args.model)
+    if problem is not None:
+        return refuse("demo", problem)
     quiet_foreign_packages("none")  # the demo quantizes nothing
-    summary = asyncio.run(run_demo(args.model, Path(args.out), args.compile_backend, args.torch_threads, args.prompt))
+
+    try:
+        summary = asyncio.run(
+            run_demo(args.model, Path(args.out), args.compile_backend, args.torch_threads, args.prompt)
+        )
+    except (ValueError, StartupError) as error:  # a model it cannot load: one line, as `loraswap serve` answers
+        return refuse("demo", error)
     print(json.dumps(summary, indent=2))
     return 0 if summary["recompilations"] == 0 else 1
 

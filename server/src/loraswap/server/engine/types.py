@@ -188,9 +188,11 @@ class Timings:
     queue_ms: float = 0.0
     adapter_load_ms: float = 0.0
     adapter_swap_ms: float = 0.0
-    denoise_ms: float = 0.0
-    decode_ms: float = 0.0
+    denoise_ms: float = 0.0  # the prompt encoded and the steps run
+    decode_ms: float = 0.0  # from the last step to the file written: the VAE decode, then the encoding
     total_ms: float = 0.0
+    encode_prompt_ms: float = 0.0  # the part of denoise_ms spent in the text encoders
+    encode_image_ms: float = 0.0  # the part of decode_ms spent writing the file (PNG, JPEG, WebP)
 
 
 @dataclass(frozen=True)

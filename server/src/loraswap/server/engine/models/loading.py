@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loraswap.server.engine.errors import StartupError, shorten
 from loraswap.server.engine.families import family_of
 from loraswap.server.engine.models.registry import BUILTINS, GENERATION_DEFAULTS_FILE, layers_refused
 from loraswap.server.engine.types import LatentRgb, ModelDefaults
@@ -19,6 +20,7 @@ def load_pipeline(model: str, torch_dtype, layers: int | None = None):
 
     Raises:
         ValueError: for `layers` with a model that takes none (or out of its range).
+        StartupError: for a name that is no built-in, no pipeline folder and no cached Hub id (one line).
     """
     builtin = BUILTINS.get(model)
     if builtin is not None:
@@ -27,7 +29,15 @@ def load_pipeline(model: str, torch_dtype, layers: int | None = None):
         raise ValueError(layers_refused(model))
     from diffusers import DiffusionPipeline
 
-    return DiffusionPipeline.from_pretrained(model, torch_dtype=torch_dtype)
+    try:
+        return DiffusionPipeline.from_pretrained(model, torch_dtype=torch_dtype)
+    # diffusers says "no such folder or cached Hub id" with OSError, "no pipeline in this folder" with ValueError.
+    except (OSError, ValueError) as error:
+        cause = (str(error).splitlines() or [type(error).__name__])[0]
+        raise StartupError(
+            f"cannot load model {shorten(model, 200)!r}: it is no built-in model ({', '.join(BUILTINS)}), no diffusers "
+            f"pipeline folder, and no Hub id in the local cache ({shorten(cause, 300)})"
+        ) from error
 
 
 def generation_defaults(model: str, pipe) -> ModelDefaults:
