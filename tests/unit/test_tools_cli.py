@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusionXLPipeline
 
@@ -33,3 +34,22 @@ def test_make_adapter_for_builtin_sdxl(tmp_path):
     targeted = {name for name, module in pipe.unet.named_modules() if hasattr(module, "lora_A") and module.lora_A}
     assert targeted and all(name.endswith(("to_q", "to_v")) for name in targeted)
     assert torch.is_tensor(next(iter(pipe.unet.parameters())))
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["export-model", "no-such-model", "DIR"], "unknown builtin model 'no-such-model'"),
+        (["export-model", "random-flux", "DIR"], "random-flux is not exported"),
+        (["make-adapter", "--model", "no-such-model", "-o", "DIR"], "unknown model 'no-such-model'"),
+        (["demo", "--model", "no-such-model", "--out", "DIR"], "unknown model 'no-such-model'"),
+    ],
+    ids=["export-unknown", "export-not-exported", "make-adapter-unknown", "demo-unknown"],
+)
+def test_a_bad_model_name_is_one_line_and_exit_2(tmp_path, capsys, argv, says):
+    argv = [str(tmp_path / "out") if arg == "DIR" else arg for arg in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"loraswap {argv[0]}: ") and says in lines[0], captured.err
+    assert "Traceback" not in captured.err and not (tmp_path / "out").exists()
