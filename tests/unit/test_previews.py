@@ -169,15 +169,16 @@ def shapes_runtime():
 
 def last_preview_and_image(runtime, prompt: str, previewer: LatentPreviewer) -> tuple[bytes, bytes]:
     """The last step's preview made by `previewer`, and the image, of one base-model run of the runtime's pipeline."""
+    from loraswap.server.engine.pipeline.image_encoding import encode_image
     from loraswap.server.engine.pipeline.runner import PipelineRunner
 
     runner = PipelineRunner(replace(runtime.loaded, previewer=previewer), runtime.compiled)
     events = []
     params = runtime.request_rules.resolve(GenerationRequest(prompt=prompt, seed=3, preview_every=1000))
     with runner.session():
-        image = runner.run(params, on_step=events.append, is_cancelled=lambda: False)
+        run = runner.run(params, on_step=events.append, is_cancelled=lambda: False)
     assert [event.step for event in events if event.preview] == [params.num_inference_steps]
-    return events[-1].preview, image.data
+    return events[-1].preview, encode_image(run.pixels, params.image_format)
 
 
 def test_the_last_shapes_preview_has_the_images_dominant_colours_and_shuffled_factors_do_not(shapes_runtime) -> None:

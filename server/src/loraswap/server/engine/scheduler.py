@@ -6,6 +6,11 @@ through the job's `emit` callable (the engine makes it thread-safe with
 `loop.call_soon_threadsafe`). Cancellation is a flag the pipeline's step
 callback checks; a stop during start-up is one too (StartupStop).
 
+The worker stops at the decoded image: an ImageEncoder writes its file on a thread
+of its own and emits it, while the worker runs the next job's steps. A job's
+progress events are all emitted before its image is handed over, so they arrive
+first.
+
 The worker is a daemon thread, so it must have left torch before the interpreter
 finalizes: Python 3.11 ends a daemon thread that wants the GIL back then with
 pthread_exit, whose unwinding through torch's noexcept C++ frames calls
@@ -33,9 +38,10 @@ from loraswap.server.engine.errors import (
     StartupStopped,
 )
 from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapMode, SwapPath
+from loraswap.server.engine.pipeline.image_encoding import ImageEncoder
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.pipeline.startup import StartupStop
-from loraswap.server.engine.types import GenerationParams, Queued, Timings
+from loraswap.server.engine.types import GeneratedImage, GenerationParams, Queued, Timings
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +99,7 @@ class GenerationScheduler:
         self._running: GenerationJob | None = None
         self._accepting = True
         self._stopped = False
+        self._encoder = ImageEncoder()
         self._thread = threading.Thread(target=self._work, name="loraswap-worker", daemon=True)
 
     def start(self) -> None:
@@ -134,9 +141,9 @@ class GenerationScheduler:
             self._accepting = False
 
     def is_idle(self) -> bool:
-        """Nothing waits and nothing runs."""
+        """Nothing waits, nothing runs, and no image is being written."""
         with self._cond:
-            return not self._waiting and self._running is None
+            return not self._waiting and self._running is None and self._encoder.idle
 
     def abort_all(self, error: EngineError) -> None:
         """Fail every waiting job with `error` now, and the running one at its next step boundary."""
@@ -163,7 +170,7 @@ class GenerationScheduler:
 
     @property
     def worker_alive(self) -> bool:
-        """The worker thread is running (in the start-up, a job, or waiting for one)."""
+        """The worker thread is running (in the start-up, a job, waiting for one, or for the last images' files)."""
         return self._thread.is_alive()
 
     def _publish_positions(self) -> None:
@@ -211,13 +218,16 @@ class GenerationScheduler:
             self.ready.set_exception(exc)
             return
         self.ready.set_result(runtime)
-        while (job := self._next_job(runtime)) is not None:
-            try:
-                if not job.cancelled.is_set():
-                    self._run(runtime, job)
-            finally:
-                with self._cond:
-                    self._running = None
+        try:
+            while (job := self._next_job(runtime)) is not None:
+                try:
+                    if not job.cancelled.is_set():
+                        self._run(runtime, job)
+                finally:
+                    with self._cond:
+                        self._running = None
+        finally:
+            self._encoder.close()
 
     def _run(self, runtime: DiffusionRuntime, job: GenerationJob) -> None:
         queue_ms = (time.perf_counter() - job.enqueued_at) * 1000.0
@@ -243,7 +253,7 @@ class GenerationScheduler:
             job.emit(progress)
 
         try:
-            image = runtime.generate(
+            decoded = runtime.render(
                 job.params,
                 job.stack,
                 on_step=on_step,
@@ -256,8 +266,16 @@ class GenerationScheduler:
         except EngineError as exc:
             job.emit(job.abort_error or exc)
         except Exception as exc:  # a pipeline failure must not take the worker down
-            log.exception("generation failed")
-            job.emit(GenerationFailedError(f"generation failed ({type(exc).__name__}); the server keeps serving"))
+            self._failed(job, exc)
         else:
-            self._observer.image_done()
-            job.emit(image)
+            self._encoder.submit(decoded, lambda image: self._finished(job, image), lambda exc: self._failed(job, exc))
+
+    def _finished(self, job: GenerationJob, image: GeneratedImage) -> None:
+        self._observer.image_done()
+        job.emit(image)
+
+    @staticmethod
+    def _failed(job: GenerationJob, exc: Exception) -> None:
+        """A job whose pipeline run or image encoding raised something unforeseen: its caller gets GENERATION_FAILED."""
+        log.error("generation failed", exc_info=exc)
+        job.emit(GenerationFailedError(f"generation failed ({type(exc).__name__}); the server keeps serving"))

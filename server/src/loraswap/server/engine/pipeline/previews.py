@@ -3,8 +3,9 @@
 Each latent pixel is projected to RGB by one linear map (LatentRgb: the family's published
 factors, or a built-in model's own), on the pipeline's device, at the latent grid's resolution
 (an eighth of the image's side for SDXL and Flux), shrunk there when its longer side is over
-MAX_PREVIEW_SIDE; only those few pixels travel to the host to be encoded as a JPEG. A latent
-space with no factors for its channel count (the random tiny models) is shown in grey.
+MAX_PREVIEW_SIDE; only those few pixels travel to the host to be encoded as a JPEG (the step loop
+copies them without waiting and encodes them a step later: step_reads.py). A latent space with no
+factors for its channel count (the random tiny models) is shown in grey.
 """
 
 from __future__ import annotations
@@ -59,22 +60,32 @@ class LatentPreviewer:
         self._bias = torch.tensor(projection.bias, dtype=torch.float32, device=device)
         self._spatial_latents = spatial_latents
 
-    def pixels(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """The first image's preview as uint8 (h, w, 3) on the host; `height`/`width` are the image's."""
+    def device_pixels(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The first image's preview as uint8 (h, w, 3), left on the latents' device; `height`/`width` are the
+        image's. Nothing here waits for the device: the step loop copies the few pixels to the host a step later."""
         spatial = self._spatial_latents(latents, height, width)[0].float()  # (channels, h, w)
         rgb = torch.einsum("chw,cr->rhw", spatial, self._factors) + self._bias[:, None, None]
         size_w, size_h = preview_size(rgb.shape[2], rgb.shape[1])
         if (size_h, size_w) != tuple(rgb.shape[1:]):
             rgb = torch.nn.functional.interpolate(rgb[None], size=(size_h, size_w), mode="area")[0]
-        # nan_to_num: a step whose latents overflowed still previews (the step callback then refuses it).
+        # nan_to_num: a step whose latents overflowed still previews (the step loop then refuses it).
         rgb = torch.nan_to_num(rgb, nan=0.0).clamp(-1.0, 1.0).add(1.0).mul(127.5).round()
-        return rgb.to(torch.uint8).permute(1, 2, 0).cpu()
+        return rgb.to(torch.uint8).permute(1, 2, 0)
+
+    def pixels(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The first image's preview as uint8 (h, w, 3) on the host; `height`/`width` are the image's."""
+        return self.device_pixels(latents, height, width).cpu()
 
     def encode(self, latents: torch.Tensor, params: GenerationParams) -> tuple[bytes, str]:
         """(the encoded preview of `latents` for a generation with `params`, its MIME type)."""
-        from PIL import Image
+        return encode_preview(self.pixels(latents, params.height, params.width))
 
-        image = Image.fromarray(self.pixels(latents, params.height, params.width).numpy())
-        buffer = io.BytesIO()
-        image.save(buffer, format="JPEG", quality=PREVIEW_JPEG_QUALITY)
-        return buffer.getvalue(), PREVIEW_FORMAT.mime_type
+
+def encode_preview(pixels: torch.Tensor) -> tuple[bytes, str]:
+    """(host pixels, uint8 (h, w, 3), as a preview file, its MIME type)."""
+    from PIL import Image
+
+    image = Image.fromarray(pixels.numpy())
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=PREVIEW_JPEG_QUALITY)
+    return buffer.getvalue(), PREVIEW_FORMAT.mime_type

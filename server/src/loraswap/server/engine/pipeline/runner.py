@@ -1,39 +1,44 @@
-"""One pipeline call: the denoising steps streamed through a callback, then the image encoded.
+"""One pipeline call: the prompt encoded, the denoising steps streamed through a callback, the image decoded.
 
 Whatever is resident stays as it is: the runtime makes a stack resident first (runtime.py), the warm-up
 runs the base model at each rank bucket (startup.py). Always inside `session()`: under
 `torch.inference_mode()` (compiled graphs are specialised on the grad mode, so warming up and serving
-in the same mode keeps them valid) and the compiled convolutions' backend guard.
+in the same mode keeps them valid) and the compiled convolutions' backend guard. The step callback never
+waits for the device: each step is read one step late (step_reads.py). Writing the image's file is the
+caller's (image_encoding.py), so that it can overlap the next run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraswap.server.engine.adapters.canonical import StackMember
 from loraswap.server.engine.errors import ErrorReason, GenerationCancelledError, InvalidRequestError
 from loraswap.server.engine.pipeline.compile import conv_backend
+from loraswap.server.engine.pipeline.device_timeline import DeviceMark
 from loraswap.server.engine.pipeline.records import CompiledDenoiser, LoadedModel
-from loraswap.server.engine.types import GenerationParams, ImageFormat, StepProgress
+from loraswap.server.engine.pipeline.step_reads import OneStepBehind
+from loraswap.server.engine.types import GenerationParams, StepProgress
 
-JPEG_QUALITY = 95
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 
 @dataclass(frozen=True)
 class PipelineRun:
-    """An encoded image and how long its steps and its decode took."""
+    """A decoded image, not yet written as a file, and where the run's time went."""
 
-    data: bytes
-    width: int
-    height: int
-    denoise_ms: float
-    decode_ms: float
+    pixels: Image
+    denoise_ms: float  # from the call to the last step's end: the prompt encoded and the steps run
+    decode_ms: float  # from the last step's end to the decoded image: the VAE decode (no file written yet)
+    encode_prompt_ms: float  # the part of denoise_ms spent in the pipeline's encode_prompt
+    decoded_at: float  # time.perf_counter() when the image was decoded
 
 
 class PipelineRunner:
@@ -62,43 +67,40 @@ class PipelineRunner:
         is_cancelled: Callable[[], bool],
         stack: tuple[StackMember, ...] = (),
     ) -> PipelineRun:
-        """Run the pipeline, streaming each step through on_step, and encode the image; call inside session().
+        """Run the pipeline, streaming each step through on_step, up to the decoded image; call inside session().
 
-        `stack` is what is resident, for the message of a generation that stops being finite. Raises
+        A step's progress comes once the device has finished it, during the next step's callback (the last one's
+        in its own). `stack` is what is resident, for the message of a generation that stops being finite: it is
+        refused (GENERATION_NOT_FINITE) at most one step after the step that overflowed. Raises
         GenerationCancelledError at the first step boundary after is_cancelled() turns true, before the decode.
         """
         loaded = self._loaded
-        started = time.perf_counter()
-        last_step_at = started
+        started_at = time.perf_counter()
+        started = DeviceMark(loaded.device)
+        steps = OneStepBehind(
+            params, loaded.previewer, started, on_step, not_finite=lambda step: _not_finite_error(stack, step)
+        )
 
         def step_end(pipe, index, timestep, callback_kwargs):
-            nonlocal last_step_at
             loaded.threads.adjust()
-            last_step_at = time.perf_counter()
-            preview = b"", ""
-            if params.wants_preview(index + 1):
-                preview = loaded.previewer.encode(callback_kwargs["latents"], params)
-            elapsed_ms = (last_step_at - started) * 1000.0
-            on_step(StepProgress(index + 1, params.num_inference_steps, elapsed_ms, *preview))
+            steps.step_ended(index + 1, callback_kwargs["latents"])
             if is_cancelled():
                 raise GenerationCancelledError("the caller cancelled; generation stopped at a step boundary")
-            # One reduction per step: a non-finite latent would decode to a NaN image returned as OK.
-            latents = callback_kwargs.get("latents")
-            if latents is not None and not bool(torch.isfinite(latents).all()):
-                raise _not_finite_error(stack, index + 1)
             return callback_kwargs
 
         loaded.threads.adjust()
-        result = loaded.pipe(**self._pipeline_kwargs(params), callback_on_step_end=step_end)
-        image = result.images[0]
-        data = encode_image(image, params.image_format)
-        finished = time.perf_counter()
+        prompt_spans: list[tuple[DeviceMark, DeviceMark]] = []
+        with _marking_calls(loaded.pipe, "encode_prompt", loaded.device, prompt_spans):
+            result = loaded.pipe(**self._pipeline_kwargs(params), callback_on_step_end=step_end)
+        decoded_at = time.perf_counter()
+        # Every mark is passed by now: the last step was waited for before the decode.
+        denoise_ms = steps.last_read.ms_since(started)
         return PipelineRun(
-            data=data,
-            width=image.width,
-            height=image.height,
-            denoise_ms=(last_step_at - started) * 1000.0,
-            decode_ms=(finished - last_step_at) * 1000.0,
+            pixels=result.images[0],
+            denoise_ms=denoise_ms,
+            decode_ms=(decoded_at - started_at) * 1000.0 - denoise_ms,
+            encode_prompt_ms=sum(end.ms_since(begun) for begun, end in prompt_spans),
+            decoded_at=decoded_at,
         )
 
     def _pipeline_kwargs(self, params: GenerationParams) -> dict:
@@ -115,16 +117,29 @@ class PipelineRunner:
         return kwargs
 
 
-def encode_image(image, image_format: ImageFormat) -> bytes:
-    """PIL image -> file bytes in the requested format."""
-    buffer = io.BytesIO()
-    if image_format is ImageFormat.JPEG:
-        image.convert("RGB").save(buffer, format="JPEG", quality=JPEG_QUALITY)
-    elif image_format is ImageFormat.WEBP:
-        image.save(buffer, format="WEBP", lossless=True)
-    else:
-        image.save(buffer, format="PNG")
-    return buffer.getvalue()
+@contextlib.contextmanager
+def _marking_calls(
+    owner: object, name: str, device: torch.device, spans: list[tuple[DeviceMark, DeviceMark]]
+) -> Iterator[None]:
+    """Put a mark before and after each call of `owner.<name>` into `spans` (read after the run: nothing waits)."""
+    method = getattr(owner, name)
+    shadowed = vars(owner).get(name)
+
+    def marked(*args, **kwargs):
+        begun = DeviceMark(device)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spans.append((begun, DeviceMark(device)))
+
+    setattr(owner, name, marked)  # an instance attribute: it shadows the class's method for this run only
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, shadowed)
 
 
 def _not_finite_error(stack: tuple[StackMember, ...], step: int) -> InvalidRequestError:

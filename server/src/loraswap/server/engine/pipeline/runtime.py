@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Required, TypedDict, Unpack
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember
 from loraswap.server.engine.adapters.residency import AdapterResidency
@@ -17,6 +18,7 @@ from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
 from loraswap.server.engine.fuse_policy import choose_fused, device_costs, merge_ms, unfused_ms
 from loraswap.server.engine.pipeline.cpu_threads import FixedThreads
+from loraswap.server.engine.pipeline.image_encoding import DecodedImage, check_encodable
 from loraswap.server.engine.pipeline.lora_work import work_at_guidance
 from loraswap.server.engine.pipeline.records import (
     CompiledDenoiser,
@@ -34,6 +36,17 @@ from loraswap.server.engine.types import (
     StepProgress,
     Timings,
 )
+
+
+class GenerateOptions(TypedDict, total=False):
+    """DiffusionRuntime.render's keywords, which generate passes on."""
+
+    on_step: Required[Callable[[StepProgress], None]]
+    is_cancelled: Required[Callable[[], bool]]
+    timings: Timings | None
+    warnings: tuple[str, ...]
+    on_swap: Callable[[float, bool], None] | None
+    fused: bool
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,13 @@ class DiffusionRuntime:
     # -- requests -----------------------------------------------------------------------------------
 
     def generate(
+        self, params: GenerationParams, stack: tuple[StackMember, ...], **options: Unpack[GenerateOptions]
+    ) -> GeneratedImage:
+        """`render`, then the image's file written on this thread: for callers that want the file at once (the
+        benchmarks). The scheduler renders, and has the file written on its encoder's thread instead."""
+        return self.render(params, stack, **options).encoded()
+
+    def render(
         self,
         params: GenerationParams,
         stack: tuple[StackMember, ...],
@@ -152,14 +172,16 @@ class DiffusionRuntime:
         warnings: tuple[str, ...] = (),
         on_swap: Callable[[float, bool], None] | None = None,
         fused: bool = False,
-    ) -> GeneratedImage:
+    ) -> DecodedImage:
         """Make `stack` resident (fused: merged into the base weights; fuse_choice says when), run the pipeline
-        streaming each step through on_step, and encode the image.
+        streaming each step through on_step, and decode the image; `DecodedImage.encoded()` writes its file.
 
         `stack` holds the adapters and their strengths (() for the base model); `params` come from
-        `request_rules.resolve`. Raises GenerationCancelledError at the first step boundary after is_cancelled()
-        turns true, before the VAE decode.
+        `request_rules.resolve`. Raises InvalidRequestError before anything runs for an image whose file would take
+        seconds to write (image_encoding.check_encodable), and GenerationCancelledError at the first step boundary
+        after is_cancelled() turns true, before the VAE decode.
         """
+        check_encodable(params)
         try:
             with self._runner.session():
                 swaps = self.needs_swap(stack, fused)
@@ -170,14 +192,16 @@ class DiffusionRuntime:
         finally:
             self.snapshot = self._take_snapshot()
         timings = dataclasses.replace(
-            timings or Timings(), adapter_swap_ms=swap_ms, denoise_ms=run.denoise_ms, decode_ms=run.decode_ms
-        )
-        return GeneratedImage(
-            data=run.data, image_format=params.image_format, width=run.width, height=run.height, seed=params.seed,
-            adapter=params.adapter, adapter_scale=params.adapter_scale, adapters=params.adapters,
+            timings or Timings(), adapter_swap_ms=swap_ms, denoise_ms=run.denoise_ms, decode_ms=run.decode_ms,
+            encode_prompt_ms=run.encode_prompt_ms,
+        )  # fmt: skip
+        image = GeneratedImage(
+            data=b"", image_format=params.image_format, width=run.pixels.width, height=run.pixels.height,
+            seed=params.seed, adapter=params.adapter, adapter_scale=params.adapter_scale, adapters=params.adapters,
             fused=self.residency.fused, timings=timings, warnings=warnings,
             changed_components=self._changed_components(stack),
         )  # fmt: skip
+        return DecodedImage(pixels=run.pixels, image=image, decoded_at=run.decoded_at)
 
     def _changed_components(self, stack: tuple[StackMember, ...]) -> tuple[str, ...]:
         """The pipeline components the stack's adapters change (the denoiser's slot layers included), sorted."""

@@ -1,0 +1,158 @@
+"""Writing a decoded image as a file (PNG, JPEG, WebP), on a thread of its own.
+
+The worker hands each decoded image to an `ImageEncoder` and starts the next request's steps while it is being
+written: a 1024² PNG costs the CPU about 0.1 s, which on a GPU would otherwise leave the device idle between
+requests. The settings were chosen by measurement (`python -m benchmarks.image_encoding`, README's "Image
+formats"):
+
+- PNG: compress level 1 with zlib's run-length strategy (Z_RLE). Pillow filters every row adaptively whatever the
+  level, so its level-6 default spends most of its time searching for matches that filtered image rows rarely
+  have; run-length matches give files as small or smaller (within 1% on noise, smaller on photo-like images) at
+  about half the time, and a third of it on smooth images.
+- JPEG: quality 95, as the contract says.
+- WebP: lossless at the least effort (method 0, quality 0). Pillow's default effort (method 4, quality 80) costs
+  0.5-1.5 s at 1024² and 6-19 s at 2048² for files 5-20% smaller; the least effort costs about what the PNG does.
+  Above MAX_WEBP_PIXELS even that costs seconds, and such requests are refused (`check_encodable`).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from loraswap.server.engine.errors import InvalidRequestError
+from loraswap.server.engine.types import GeneratedImage, GenerationParams, ImageFormat
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+log = logging.getLogger(__name__)
+
+Z_RLE = 3  # zlib's run-length strategy: matches at distance 1 only
+# Pillow's save() options for each format, the only place they are spelled.
+SAVE_OPTIONS: dict[ImageFormat, dict[str, object]] = {
+    ImageFormat.PNG: {"format": "PNG", "compress_level": 1, "compress_type": Z_RLE},
+    ImageFormat.JPEG: {"format": "JPEG", "quality": 95},
+    ImageFormat.WEBP: {"format": "WEBP", "lossless": True, "method": 0, "quality": 0},
+}
+# Lossless WebP at the least effort costs about 0.1 s per megapixel on one core (noise and photo-like images at
+# 1024² and 2048², BENCHMARKS.md): 8 megapixels (e.g. 4096x2048) stay under a second.
+MAX_WEBP_PIXELS = 8 * 2**20
+
+
+def check_encodable(params: GenerationParams) -> None:
+    """Refuse a request whose file would take seconds to write (lossless WebP above MAX_WEBP_PIXELS).
+
+    Raises:
+        InvalidRequestError: naming `image_format`, and the formats that write such an image quickly.
+    """
+    pixels = params.width * params.height
+    if params.image_format is ImageFormat.WEBP and pixels > MAX_WEBP_PIXELS:
+        raise InvalidRequestError(
+            f"lossless WebP is limited to {MAX_WEBP_PIXELS // 2**20} megapixels ({params.width}x{params.height} is "
+            f"{pixels / 2**20:.1f}): above that it takes seconds to encode; ask for PNG or JPEG, or a smaller size",
+            field="image_format",
+        )
+
+
+def encode_image(image: Image, image_format: ImageFormat) -> bytes:
+    """A PIL image as file bytes in `image_format` (JPEG drops any alpha channel)."""
+    if image_format is ImageFormat.JPEG:
+        image = image.convert("RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, **SAVE_OPTIONS[image_format])
+    return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """A generation decoded to pixels whose file is not written yet: what the worker hands the encoder."""
+
+    pixels: Image
+    # The reply as it will be sent, but for its file: `data` is empty, and its timings' decode_ms covers the VAE
+    # decode only (encoding adds the rest).
+    image: GeneratedImage
+    decoded_at: float  # time.perf_counter() when the decode ended
+
+    def encoded(self) -> GeneratedImage:
+        """The reply with its file: `decode_ms` then runs from the last step to the file written (the wait for the
+        encoder included), and `encode_image_ms` is the part spent writing it."""
+        started = time.perf_counter()
+        data = encode_image(self.pixels, self.image.image_format)
+        finished = time.perf_counter()
+        timings = replace(
+            self.image.timings,
+            decode_ms=self.image.timings.decode_ms + (finished - self.decoded_at) * 1000.0,
+            encode_image_ms=(finished - started) * 1000.0,
+        )
+        return replace(self.image, data=data, timings=timings)
+
+
+class ImageEncoder:
+    """Encodes decoded images on one thread of its own, in the order they come.
+
+    At most `max_waiting` images wait to be encoded (besides the one being encoded): `submit` blocks beyond that,
+    so a slow encoder slows the worker down instead of piling decoded images up in memory.
+    """
+
+    def __init__(self, max_waiting: int = 1) -> None:
+        self._slots = threading.BoundedSemaphore(max_waiting + 1)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraswap-encoder")
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    def submit(
+        self,
+        decoded: DecodedImage,
+        on_encoded: Callable[[GeneratedImage], None],
+        on_failed: Callable[[Exception], None],
+    ) -> None:
+        """Encode `decoded` after those submitted before it, then call on_encoded (or on_failed) on the encoder's
+        thread."""
+        self._slots.acquire()
+        with self._lock:
+            self._pending += 1
+        try:
+            self._pool.submit(self._encode, decoded, on_encoded, on_failed)
+        except BaseException:
+            self._release()
+            raise
+
+    @property
+    def idle(self) -> bool:
+        """Nothing is being encoded and nothing waits to be."""
+        with self._lock:
+            return self._pending == 0
+
+    def close(self) -> None:
+        """Encode what was submitted, then end the thread."""
+        self._pool.shutdown(wait=True)
+
+    def _encode(
+        self,
+        decoded: DecodedImage,
+        on_encoded: Callable[[GeneratedImage], None],
+        on_failed: Callable[[Exception], None],
+    ) -> None:
+        try:
+            try:
+                image = decoded.encoded()
+            except Exception as exc:
+                on_failed(exc)
+            else:
+                on_encoded(image)
+        except Exception:  # a callback's own failure must not end the encoder
+            log.exception("delivering an encoded image failed")
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+        self._slots.release()
