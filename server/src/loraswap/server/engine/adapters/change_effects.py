@@ -10,9 +10,10 @@ overflow the dtype, so every generation with the change ends non-finite: an alph
 longer pass a load only to fail each Generate. No adapter a model can serve comes near it (trained changes are of the
 weights' own size, about 1).
 
-Each figure is exact, or a bound no more than a product's rank away from it while that is far inside the range:
-- a LoRA's (the slot's factors, a LoCon change) max|B A| is bounded by the smaller of max_i Σ_r |B_ir| max_j |A_rj|
-  and its transpose, and formed exactly when its bound at the largest strength could reach the range;
+Each figure is exact, or a bound that is used only while it refuses nothing:
+- a LoRA's (the slot's factors, a LoCon change) max|B A| is bounded by rank · max|B| · max|A| while a thousand times
+  that stays inside float16's range, nearer it by the smaller of max_i Σ_r |B_ir| max_j |A_rj| and its transpose,
+  and formed exactly when its bound at the largest strength could reach the model's range;
 - a LoHa's by the product of its two products' bounds, likewise formed exactly when need be;
 - a LoKr's is exact from its sides (max|w1 ⊗ w2| = max|w1| max|w2|), a full difference's is its own largest value;
 - a bias change counts its largest value; a weight decomposition (DoRA) its magnitude's largest value on top of ΔW's.
@@ -43,6 +44,9 @@ from loraswap.server.engine.scale_limits import MAX_ADAPTER_SCALE
 
 LayerKey = tuple[str, str]  # (component, module path)
 CPU = torch.device("cpu")
+# A rank-times-largest-values bound stands as the figure while this many of it (strengths and stack members) stay
+# inside float16's range: far from any range, its looseness refuses nothing.
+ROUGH_MARGIN = 1024
 # The smallest strength a request can send that is not 0 (adapter_scale is a float32): below it none "fits".
 SMALLEST_STRENGTH = float(torch.finfo(torch.float32).tiny)
 
@@ -59,8 +63,12 @@ def _largest(tensor: torch.Tensor | None) -> float:
 
 
 def _low_rank_bound(up: torch.Tensor, down: torch.Tensor) -> float:
-    """A bound of max|up @ down| (up (out, r), down (r, in)): Σ_r |up_ir| |down_rj| <= Σ_r |up_ir| max_j |down_rj|,
-    and the same the other way round; the smaller of the two. Infinite where float32 overflows."""
+    """A bound of max|up @ down| (up (out, r), down (r, in)): rank · max|up| · max|down| while that is far inside
+    every range (one reduction per factor), else Σ_r |up_ir| |down_rj| <= Σ_r |up_ir| max_j |down_rj| and the same
+    the other way round, the smaller of the two. Infinite where float32 overflows."""
+    rough = up.shape[1] * _largest(up) * _largest(down)
+    if rough * ROUGH_MARGIN <= effect_limit(torch.float16):
+        return rough
     up, down = up.detach().abs().to(torch.float32), down.detach().abs().to(torch.float32)
     by_rows = float((up @ down.amax(dim=1)).amax()) if up.numel() else 0.0
     by_columns = float((up.amax(dim=0) @ down).amax()) if down.numel() else 0.0
