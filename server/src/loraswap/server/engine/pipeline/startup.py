@@ -13,8 +13,10 @@ warm-up pass and at each warm-up step, like a request's cancel flag.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,7 +59,7 @@ from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
 from loraswap.server.engine.pipeline.warm_up_shapes import warm_up_buckets, warm_up_requests
 from loraswap.server.engine.rank_buckets import resolve_rank_buckets
 from loraswap.server.engine.request_rules import RequestRules
-from loraswap.server.engine.types import GenerationRequest
+from loraswap.server.engine.types import GenerationParams, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +108,11 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
     stop = stop or StartupStop()
     clock = _PhaseClock()
     stop.enter("load")
+    clock.begin("load", config.model)
     loaded = load(config)
     clock.done("load", f"{config.model} ({loaded.traits.family.value}, {loaded.dtype} on {loaded.device})")
     stop.enter("slot")
+    clock.begin("slot", f"rank {config.max_rank}, --fuse {config.fuse}{', pristine copies' if config.fuses else ''}")
     installed = install_slot(config, loaded)
     pristine = f", pristine copies {installed.pristine_bytes} bytes" if installed.pristine_bytes else ""
     clock.done("slot", f"{len(installed.target_layers)} layers at rank {config.max_rank}{pristine}")
@@ -116,15 +120,22 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
         _log_auto_rule(loaded, installed)
     # A stop names the phase the log names next: unquantized, what follows the slot is the compile.
     stop.enter("quantize" if config.quantize != "none" else "compile")
+    if config.quantize != "none":
+        clock.begin("quantize", f"{config.quantize}, the denoiser's base linear layers on {loaded.device}")
     weights = quantize(config, loaded)
     if weights.quantization != "none":
         clock.done("quantize", f"{weights.quantization}, denoiser weights {weights.denoiser_weight_bytes} bytes")
     stop.enter("compile")
+    compiling = resolve_compile_kind(config.compile, loaded.device.type)
+    if compiling != "none":
+        clock.begin("compile", f"{compiling}, backend {config.compile_backend}, the attention backend first")
     compiled = compile_denoiser(config, loaded, installed)
     if compiled.compiled:
         # dynamo compiles lazily: the graphs themselves are built by the warm-up's first calls.
         clock.done("compile", f"backend {config.compile_backend}")
     stop.enter("warm-up")
+    if config.warmup:
+        clock.begin("warm-up", "each pass's first call compiles" if compiled.compiled else "uncompiled")
     warmed = warm_up(config, loaded, installed, compiled, stop)
     if config.warmup:
         clock.done("warm-up", f"{warmed.graphs_at_ready} graphs compiled")
@@ -268,8 +279,11 @@ def quantize(config: EngineConfig, loaded: LoadedModel) -> StoredWeights:
 
 def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: InstalledSlot) -> CompiledDenoiser:
     """Set the attention backend (the graphs are traced from it), then torch.compile the denoiser as --compile says."""
+    started = time.perf_counter()
     attention_backend = choose_attention(config.attention, loaded)  # measured on Hopper when unset
     kind = resolve_compile_kind(config.compile, loaded.device.type)
+    if kind != "none":
+        _log_step("compile", started, f"attention {attention_backend}; wrapping the denoiser in torch.compile")
     mode = effective_compile_mode(config.compile_mode, loaded.device.type)
     if mode != config.compile_mode:
         log.warning(
@@ -306,9 +320,19 @@ def warm_up(
         loaded.request_rules, traits.upsample_period(loaded.pipe), traits.warm_up_guidance(loaded.defaults)
     )
     graphs = warm_up_graphs(config.fuse, config.fuses, slot.graph_buckets, auto_buckets(loaded, installed))
+    buckets = warm_up_buckets(graphs, compiled.compiled)
+    started, passes = time.perf_counter(), itertools.count(1)
+
+    def announce(bucket: int, params: GenerationParams) -> None:
+        _log_step(
+            "warm-up", started,
+            f"pass {next(passes)} of {len(buckets) * len(requests)} begins: rank bucket {bucket}, "
+            f"{params.width}x{params.height}, {params.num_inference_steps} steps, guidance {params.guidance_scale:g}",
+        )  # fmt: skip
+
     with compile_cache_scope(_compile_cache_folder(config, loaded, installed, compiled)):
-        for bucket in warm_up_buckets(graphs, compiled.compiled):
-            _run_at(loaded, runner, installed.residency, bucket, requests=requests, stop=stop)
+        for bucket in buckets:
+            _run_at(loaded, runner, installed.residency, bucket, requests=requests, stop=stop, announce=announce)
     unfused = frozenset(graphs) - {0} if compiled.compiled else frozenset(slot.rank_buckets)
     return WarmedUp(unfused, compiled.graphs_compiled)
 
@@ -354,17 +378,18 @@ def _run_at(
     *,
     requests: list[GenerationRequest],
     stop: StartupStop,
+    announce: Callable[[int, GenerationParams], None] = lambda bucket, params: None,
 ) -> None:
-    """Run the warm-up requests with the base model resident, computing at `bucket` (compiling its graphs)."""
+    """Run the warm-up requests with the base model resident, computing at `bucket` (compiling its graphs); each
+    announced as it begins."""
     with residency.computing_at(bucket):
         for request in requests:
             stop.check()
+            params = loaded.request_rules.resolve(request)
+            announce(bucket, params)
             try:
                 with runner.session():
-                    runner.run(
-                        loaded.request_rules.resolve(request), on_step=lambda progress: None,
-                        is_cancelled=lambda: stop.requested,
-                    )  # fmt: skip
+                    runner.run(params, on_step=lambda progress: None, is_cancelled=lambda: stop.requested)
             except GenerationCancelledError:  # the stop, seen at a step boundary: a pass may take a compile per step
                 stop.check()
                 raise
@@ -375,22 +400,41 @@ def _run_at(
 
 
 class _PhaseClock:
-    """Logs each start-up phase as it ends, with its duration."""
+    """Logs each start-up phase as it begins and as it ends, with its duration.
+
+    Every line names its phase in the record's extra: `phase`, `event` (begins, step or done: see _log_step) and
+    `seconds`, how long the phase had run when the line was written (0 as it begins, its duration when done), so
+    that the last line of a start-up that never finishes says where it stopped and for how long it had been there.
+    """
 
     def __init__(self) -> None:
         self.started = self._phase_started = time.perf_counter()
+
+    def begin(self, phase: str, detail: str) -> None:
+        self._phase_started = time.perf_counter()
+        log.info("start-up %s: begins, %s", phase, detail, extra={"phase": phase, "event": "begins", "seconds": 0.0})
 
     def done(self, phase: str, detail: str) -> None:
         now = time.perf_counter()
         seconds = now - self._phase_started
         log.info(
-            "start-up %s: %.2f s, %s", phase, seconds, detail, extra={"phase": phase, "seconds": round(seconds, 3)}
-        )
+            "start-up %s: %.2f s, %s", phase, seconds, detail,
+            extra={"phase": phase, "event": "done", "seconds": round(seconds, 3)},
+        )  # fmt: skip
         self._phase_started = now
 
     @property
     def total_seconds(self) -> float:
         return time.perf_counter() - self.started
+
+
+def _log_step(phase: str, phase_started: float, detail: str) -> None:
+    """A step within a phase that may take long (a warm-up pass: its first call compiles), logged as it begins."""
+    seconds = time.perf_counter() - phase_started
+    log.info(
+        "start-up %s: %s, %.1f s into the phase", phase, detail, seconds,
+        extra={"phase": phase, "event": "step", "seconds": round(seconds, 3)},
+    )  # fmt: skip
 
 
 def _device(config: EngineConfig) -> torch.device:
