@@ -1,7 +1,7 @@
-"""Merges on the CPU written straight into a layer's weight in its own dtype (bfloat16 or float32), W0 read once.
+"""Merges written straight into a layer's weight in its own dtype (bfloat16 or float32), W0 read once.
 
-The CPU's bfloat16 and float32 products (torch.mm, torch.addmm: oneDNN, AMX where the CPU has it) accumulate in
-float32 and round once into their output, and its pointwise kernels compute bfloat16 in float32; so a layer that
+bfloat16 and float32 products (torch.mm, torch.addmm: oneDNN, AMX where the CPU has it; cuBLAS on a GPU) accumulate
+in float32 and round once into their output, and pointwise kernels compute bfloat16 in float32; so a layer that
 one kind of change alone alters needs no float32 block (fused.py's general path), and costs about what one product
 costs:
 - plain LoRAs at one alpha (the slot's factors, LoRA / LoCon changes): weight = W0 + alpha * B A, one addmm;
@@ -12,8 +12,10 @@ costs:
 LoHa's and a decomposed LoKr side's products are rounded to the factors' dtype, as the LyCORIS reference forms
 them in the file's dtype; the merge then rounds once. The same change always writes the same bits.
 
-Each merge first bounds |W0 + alpha ΔW| from the factors' largest values: below the dtype's largest value nothing
-can overflow and the weight needs no finiteness pass; otherwise every block is checked while it is in cache.
+The caller bounds |W0 + alpha ΔW| from figures taken once (W0's largest value at start-up, the change's largest
+|ΔW| where the adapter loaded: change_effects.py): below the dtype's largest value nothing can overflow, the weight
+needs no finiteness pass and nothing waits for the device; otherwise every block is checked while it is in cache.
+The same functions run on a CUDA device (cuBLAS's bfloat16 products accumulate in float32 and round once too).
 """
 
 from __future__ import annotations
@@ -37,33 +39,25 @@ def all_finite(tensor: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(tensor.sum(dtype=torch.float32))
 
 
-def _largest(tensor: torch.Tensor) -> float:
-    return float(tensor.abs().amax())
-
-
-def may_overflow(w0_largest: float, change_largest: float, alpha: float, dtype: torch.dtype) -> bool:
-    """Whether |W0 + alpha ΔW| <= max|W0| + |alpha| max|ΔW| may reach the dtype's largest value."""
-    return not w0_largest + abs(alpha) * change_largest < torch.finfo(dtype).max
-
-
 def write_lora(
     weight: torch.Tensor,
     w0: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
     alpha: float,
-    w0_largest: float,
-    block_elements: int,
-) -> torch.Tensor:
-    """weight = W0 + alpha * B A as one torch.addmm into the weight: the exact merge with no float32 scratch, what
-    floor_fuse times; where it may overflow, `block_elements` at a time, each block checked while in cache. Returns
-    whether the result is finite (a device tensor)."""
+    check: bool,
+    block_elements: int | None = None,
+) -> torch.Tensor | None:
+    """weight = W0 + alpha * B A as one torch.addmm into the weight (bfloat16 operands accumulate in float32 and round
+    once, on the CPU and in cuBLAS alike): the exact merge with no float32 scratch, what floor_fuse times. `check`
+    (the caller's bound of the result reaches the dtype's largest value): the result's finiteness is returned, as
+    a device tensor, `block_elements` at a time while each block is in cache (None: the whole layer); else None,
+    and nothing waits for or reads the device."""
     weight, w0 = weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1)  # a conv's window flattened
-    # |B A| <= rank max|B| max|A|.
-    if not may_overflow(w0_largest, a.shape[0] * _largest(b) * _largest(a), alpha, w0.dtype):
+    if not check:
         torch.addmm(w0, b, a, alpha=alpha, out=weight)
-        return torch.ones((), dtype=torch.bool)
-    block_rows = max(1, block_elements // w0.shape[1])
+        return None
+    block_rows = max(1, (block_elements or w0.numel()) // w0.shape[1])
     finite = []
     for start in range(0, w0.shape[0], block_rows):
         stop = min(w0.shape[0], start + block_rows)
@@ -91,29 +85,22 @@ def own_dtype_change(change: LayerChange, dtype: torch.dtype) -> bool:
 
 
 def write_change(
-    weight: torch.Tensor, w0: torch.Tensor, change: LayerChange, alpha: float, w0_largest: float, scratch: torch.Tensor
-) -> torch.Tensor:
-    """weight = W0 + alpha * ΔW for a change own_dtype_change accepts (alpha: the strength; the kind's own alpha /
-    rank is applied here); `scratch`: at least 2 * LOHA_BLOCK_ELEMENTS of the weight's dtype. Returns whether the
-    result is finite (a device tensor)."""
+    weight: torch.Tensor, w0: torch.Tensor, change: LayerChange, alpha: float, check: bool, scratch: torch.Tensor
+) -> torch.Tensor | None:
+    """weight = W0 + alpha * ΔW for a change own_dtype_change accepts, its tensors on the weight's device (alpha: the
+    strength; the kind's own alpha / rank is applied here); `scratch`: at least 2 * LOHA_BLOCK_ELEMENTS of the
+    weight's dtype. `check`: return whether the result is finite (a device tensor), else None with nothing read."""
     kind = change.change
     if isinstance(kind, Hadamard):
-        return _write_hadamard(weight, w0, kind, alpha * kind.scale, w0_largest, scratch)
-    return _write_kronecker(weight, w0, kind, alpha * kind.scale, w0_largest)
+        return _write_hadamard(weight, w0, kind, alpha * kind.scale, check, scratch)
+    return _write_kronecker(weight, w0, kind, alpha * kind.scale, check)
 
 
 def _write_hadamard(
-    weight: torch.Tensor, w0: torch.Tensor, loha: Hadamard, alpha: float, w0_largest: float, scratch: torch.Tensor
-) -> torch.Tensor:
+    weight: torch.Tensor, w0: torch.Tensor, loha: Hadamard, alpha: float, check: bool, scratch: torch.Tensor
+) -> torch.Tensor | None:
     weight, w0 = weight.view(w0.shape[0], -1), w0.view(w0.shape[0], -1)
     w1b, w2b = loha.w1b.reshape(loha.rank, -1), loha.w2b.reshape(loha.rank, -1)
-    # |first| <= rank max|w1a| max|w1b|, likewise second: each product must fit the dtype too, not only theirs.
-    first_largest = loha.rank * _largest(loha.w1a) * _largest(w1b)
-    second_largest = loha.rank * _largest(loha.w2a) * _largest(w2b)
-    largest_value = torch.finfo(w0.dtype).max
-    checked = not (first_largest < largest_value and second_largest < largest_value) or may_overflow(
-        w0_largest, first_largest * second_largest, alpha, w0.dtype
-    )
     columns = w0.shape[1]
     block_rows = max(1, LOHA_BLOCK_ELEMENTS // columns)
     finite = []
@@ -126,14 +113,14 @@ def _write_hadamard(
         torch.mm(loha.w2a[start:stop], w2b, out=second)
         written = weight[start:stop]
         torch.addcmul(w0[start:stop], first, second, value=alpha, out=written)
-        if checked:
+        if check:
             finite.append(all_finite(written))
-    return torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
+    return torch.stack(finite).all() if finite else None
 
 
 def _write_kronecker(
-    weight: torch.Tensor, w0: torch.Tensor, lokr: Kronecker, alpha: float, w0_largest: float
-) -> torch.Tensor:
+    weight: torch.Tensor, w0: torch.Tensor, lokr: Kronecker, alpha: float, check: bool
+) -> torch.Tensor | None:
     w1 = lokr.w1 if lokr.w1 is not None else lokr.w1a @ lokr.w1b
     if lokr.w2 is not None:
         w2 = lokr.w2
@@ -147,6 +134,4 @@ def _write_kronecker(
     (a, c), (b, d_window) = w1.shape, w2.shape
     weight_blocks, w0_blocks = weight.view(a, b, c, d_window), w0.view(a, b, c, d_window)
     torch.addcmul(w0_blocks, w1.view(a, 1, c, 1), w2.view(1, b, 1, d_window), value=alpha, out=weight_blocks)
-    if may_overflow(w0_largest, _largest(w1) * _largest(w2), alpha, w0.dtype):
-        return all_finite(weight)
-    return torch.ones((), dtype=torch.bool)
+    return all_finite(weight) if check else None

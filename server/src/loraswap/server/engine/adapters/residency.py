@@ -209,7 +209,9 @@ class AdapterResidency:
             raise RuntimeError("this server has no pristine weights to fuse from (--fuse never)")
         self._fused = None  # until the merge is done: a failed one leaves W0 everywhere
         try:
-            merge_ms = self.fused_weights.merge(members)
+            # The slot's factors from the device hot set, where there is one (they stay there for the next swap).
+            factors = self.planner.device_factors if self.device_cache is not None else None
+            merge_ms = self.fused_weights.merge(members, factors)
             self._fused = members
         finally:
             self._refresh_bucket()

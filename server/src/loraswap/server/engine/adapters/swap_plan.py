@@ -259,6 +259,16 @@ class SwapPlanner:
             return cached
         return AdapterSources(cached.layout, self.device_cache.sources(adapter, cached.tensors))
 
+    def device_factors(self, adapter: CanonicalAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The adapter's slot factors by layer, (a, b) in the model's dtype, from the device hot set (copied there on a
+        first use, as an unfused swap copies them): what a fused merge multiplies without a host copy per layer."""
+        sources = self._sources(adapter)
+        return {
+            layout.name: (sources.tensors[2 * index],
+                          sources.tensors[2 * index + 1].view(self._dtype) if layout.wide else sources.tensors[2 * index + 1])
+            for index, layout in enumerate(sources.layout)
+        }  # fmt: skip
+
     def _plan(self, key: tuple[tuple[LayerLayout, ...], ...]) -> SwapPlan:
         """The slot views for a key of member layouts (built once per key, the oldest of MAX_CACHED_PLANS dropped)."""
         plan = self._plans.get(key)
