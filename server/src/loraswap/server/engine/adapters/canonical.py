@@ -45,7 +45,12 @@ from dataclasses import dataclass, field
 import torch
 
 from loraswap.server.engine.adapters.base_model import BaseModelPolicy
-from loraswap.server.engine.adapters.change_effects import layer_effect, refuse_out_of_range, slot_effect
+from loraswap.server.engine.adapters.change_effects import (
+    formed_on_the_way,
+    layer_effect,
+    refuse_out_of_range,
+    slot_effect,
+)
 from loraswap.server.engine.adapters.key_layouts import (
     FileLayer,
     file_layers,
@@ -87,7 +92,7 @@ class SlotSpec:
     device: torch.device
     denoiser_config: Mapping  # the denoiser's diffusers config (attribute access needed by converters)
     strict: bool = False
-    # The server fuses adapters (--fuse auto|always, weights not quantized): those the slot cannot hold are
+    # The server fuses adapters (--fuse auto|always, weights not int8 weight-only): those the slot cannot hold are
     # accepted to be served fused.
     fuse: bool = False
     biased_layers: frozenset[str] = frozenset()  # slot layers whose base layer has a bias (lora_B.bias fuses there)
@@ -656,8 +661,8 @@ def _admit(read: _ReadAdapter, spec: SlotSpec) -> None:
         if others:
             raise AdapterIncompatibleError(
                 f"the adapter makes {', '.join(others)} changes ({len(denoiser_changes)} layers), which only a fused "
-                "swap applies; this server does not fuse (--fuse never, or quantized weights): restart it with "
-                "--fuse auto|always and --quantize none, or use a plain LoRA",
+                "swap applies; this server does not fuse (--fuse never, or --quantize int8wo): restart it with "
+                "--fuse auto|always and --quantize none or fp8, or use a plain LoRA",
                 kinds=",".join(others),
             )
         _refuse_outside_slot(plain)
@@ -703,7 +708,8 @@ def load_canonical(
         read = _read_other_layout(others, metadata, spec).joined(read)
     _admit(read, spec)
     effects = _effects(read, spec)
-    refuse_out_of_range(effects, spec.dtype)
+    on_the_way = {key: formed_on_the_way(change) for key, change in read.changes.items()}
+    refuse_out_of_range(effects, spec.dtype, on_the_way)
     return CanonicalAdapter(
         name=adapter_file.name,
         source=adapter_file.source,

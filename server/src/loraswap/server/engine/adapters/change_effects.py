@@ -137,6 +137,19 @@ def _exact(change: WeightChange, shape: tuple[int, ...]) -> float:
     return formed * math.prod(largest.values()) * abs(change.scale)
 
 
+def formed_on_the_way(change: LayerChange) -> float:
+    """A bound of the values a merge forms before ΔW, unscaled: a LoHa's two products (w1a w1b, w2a w2b) and a LoKr's
+    sides (w1, w2), which own_dtype_merges.py forms in the weight's dtype; 0 for kinds that form none. A product past
+    the range with its partner far below it (1e30 times 1e-20) makes a small ΔW that no merge can form."""
+    kind = change.change.of if isinstance(change.change, RowsOf) else change.change
+    if isinstance(kind, Hadamard) and kind.t1 is None:
+        return max(_low_rank_bound(kind.w1a, kind.w1b.reshape(kind.rank, -1)),
+                   _low_rank_bound(kind.w2a, kind.w2b.reshape(kind.w2b.shape[0], -1)))  # fmt: skip
+    if isinstance(kind, Kronecker):
+        return max(_kronecker_side(kind, 1), _kronecker_side(kind, 2))
+    return 0.0
+
+
 def change_effect(change: WeightChange, shape: tuple[int, ...], dtype: torch.dtype) -> float:
     """max|ΔW| of one change at strength 1 (`shape`: the layer's weight, `dtype`: the model's): its bound while even
     the largest strength keeps that inside the dtype's range, else formed exactly."""
@@ -204,30 +217,43 @@ def _past_range(key: LayerKey, reached: float, dtype: torch.dtype) -> str:
             "products that follow)")  # fmt: skip
 
 
-def refuse_out_of_range(effects: Mapping[LayerKey, float], dtype: torch.dtype) -> None:
-    """Refuse, where an adapter file is loaded, one whose change at strength 1 passes the dtype's range.
+def refuse_out_of_range(
+    effects: Mapping[LayerKey, float], dtype: torch.dtype, on_the_way: Mapping[LayerKey, float] | None = None
+) -> None:
+    """Refuse, where an adapter file is loaded, one whose change at strength 1 passes the dtype's range, or whose
+    merge would form values past it on the way (`on_the_way`: formed_on_the_way of each layer).
 
     Raises:
         AdapterFormatError: ADAPTER_OUT_OF_RANGE, naming the layer and the largest strength that would fit (metadata
             `layer`, and `max_scale` where one fits).
     """
+    limit = effect_limit(dtype)
     found = strongest(effects)
-    if found is None or found[1] <= effect_limit(dtype):
-        return
-    key, effect = found
-    fit = largest_fitting_strength(effect, effect_limit(dtype))
-    if fit is None:
-        advice = ("no strength a request can send brings it into range: the file's alpha or factor values are far "
-                  "out of any trained adapter's range; re-export it")  # fmt: skip
-    else:
-        advice = (f"only strengths up to {fit:g} would fit, and an adapter must fit at strength 1: re-export it with "
-                  "smaller alpha or factor values")  # fmt: skip
-    raise AdapterFormatError(
-        f"the adapter moves {_past_range(key, effect, dtype)} at strength 1; {advice}",
-        reason=ErrorReason.ADAPTER_OUT_OF_RANGE,
-        layer=key[1],
-        **({"max_scale": f"{fit:g}"} if fit is not None else {}),
-    )
+    if found is not None and found[1] > limit:
+        key, effect = found
+        fit = largest_fitting_strength(effect, limit)
+        if fit is None:
+            advice = ("no strength a request can send brings it into range: the file's alpha or factor values are far "
+                      "out of any trained adapter's range; re-export it")  # fmt: skip
+        else:
+            advice = (f"only strengths up to {fit:g} would fit, and an adapter must fit at strength 1: re-export it "
+                      "with smaller alpha or factor values")  # fmt: skip
+        raise AdapterFormatError(
+            f"the adapter moves {_past_range(key, effect, dtype)} at strength 1; {advice}",
+            reason=ErrorReason.ADAPTER_OUT_OF_RANGE,
+            layer=key[1],
+            **({"max_scale": f"{fit:g}"} if fit is not None else {}),
+        )
+    formed = strongest(on_the_way or {})
+    if formed is not None and formed[1] > limit:
+        (component, module), value = formed
+        raise AdapterFormatError(
+            f"the adapter's factors for layer {shorten(module, 120)} of the {component} multiply to {value:.3g} (a LoHa "
+            f"product or a LoKr side), past the {limit:.3g} a {_dtype_name(dtype)} model carries, whatever the "
+            "strength: re-export it with factor values of a trained adapter's size",
+            reason=ErrorReason.ADAPTER_OUT_OF_RANGE,
+            layer=module,
+        )
 
 
 def refuse_strengths(members: list[tuple[Mapping[LayerKey, float], float]], dtype: torch.dtype) -> None:
