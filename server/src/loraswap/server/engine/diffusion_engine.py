@@ -305,7 +305,7 @@ class DiffusionEngine:
         config = self.config
         if params.fuse is FuseChoice.FUSED and not config.fuses:
             why = ("runs with --fuse never" if config.fuse == "never"
-                   else f"serves quantized weights (--quantize {config.quantize}), which it never fuses")  # fmt: skip
+                   else f"serves --quantize {config.quantize} weights (int8 weight-only), which it serves unfused only")  # fmt: skip
             raise FuseChoiceError(
                 f"fuse is FUSE_CHOICE_FUSED but this server {why}; leave fuse unset, or ask for FUSE_CHOICE_UNFUSED",
                 fuse="FUSE_CHOICE_FUSED",

@@ -124,7 +124,7 @@ def choose_fused(
 ) -> bool:
     """Whether a request's stack runs fused.
 
-    `fusing`: the server can fuse at all (a policy other than never, weights not quantized); `bucket`: the rank
+    `fusing`: the server can fuse at all (a policy other than never, weights not int8 weight-only); `bucket`: the rank
     bucket the stack computes at unfused, None when the slot cannot hold it.
     """
     if not fusing or not has_adapters or policy == "never":
