@@ -118,3 +118,18 @@ def test_a_strength_past_the_range_is_refused_with_the_strengths_that_fit() -> N
     with pytest.raises(InvalidRequestError) as stack:
         refuse_strengths([(effects, 2.0), ({("unet", "a"): limit / 3, ("unet", "c"): 1.0}, 2.0)], F32)
     assert stack.value.metadata["field"] == "adapters" and stack.value.metadata["max_scale"] == "0.75"
+
+
+def test_a_loha_whose_products_pass_the_range_is_refused_however_small_its_change() -> None:
+    """1e30-sized products times 1e-40-sized ones: ΔW is tiny, but a merge forms each product first."""
+    from loraswap.server.engine.adapters.change_effects import formed_on_the_way
+
+    big, tiny = torch.full((48, 1), 1e15), torch.full((48, 1), 1e-20)
+    loha = LayerChange(Hadamard(big, big.T.contiguous()[:, :32], tiny, tiny.T.contiguous()[:, :32], None, None, 1.0))
+    effect = layer_effect(loha, (48, 32), F32)
+    assert effect == pytest.approx(1e30 * 1e-40, rel=1e-5) and effect < effect_limit(F32)
+    on_the_way = formed_on_the_way(loha)
+    assert on_the_way == pytest.approx(1e30, rel=1e-5)
+    with pytest.raises(AdapterFormatError) as refused:
+        refuse_out_of_range({("unet", "x"): effect}, F32, {("unet", "x"): on_the_way})
+    assert refused.value.reason == "ADAPTER_OUT_OF_RANGE" and "LoHa product" in refused.value.message
