@@ -2,17 +2,18 @@
 
 The worker hands each decoded image to an `ImageEncoder` and starts the next request's steps while it is being
 written: a 1024² PNG costs the CPU about 0.1 s, which on a GPU would otherwise leave the device idle between
-requests. The settings were chosen by measurement (`python -m benchmarks.image_encoding`, README's "Image
-formats"):
+requests. The settings were chosen by measurement (`python -m benchmarks.image_encoding`; the figures are in the
+README's "Image formats", 1024² noise-like and photo-like pictures on one core):
 
-- PNG: compress level 1 with zlib's run-length strategy (Z_RLE). Pillow filters every row adaptively whatever the
-  level, so its level-6 default spends most of its time searching for matches that filtered image rows rarely
-  have; run-length matches give files as small or smaller (within 1% on noise, smaller on photo-like images) at
-  about half the time, and a third of it on smooth images.
-- JPEG: quality 95, as the contract says.
-- WebP: lossless at the least effort (method 0, quality 0). Pillow's default effort (method 4, quality 80) costs
-  0.5-1.5 s at 1024² and 6-19 s at 2048² for files 5-20% smaller; the least effort costs about what the PNG does.
-  Above MAX_WEBP_PIXELS even that costs seconds, and such requests are refused (`check_encodable`).
+- PNG: compress level 1 with zlib's run-length strategy (Z_RLE). Pillow filters every row whatever the level, so
+  its level-6 default spends its time searching for long matches that filtered rows rarely have: run-length
+  matches give the same size (1.60 MiB for the photo-like picture) in 93 ms instead of 328 ms; level 1 with
+  Pillow's own strategy takes 109 ms for a file 12% larger, and level 0 stores the pixels uncompressed.
+- JPEG: quality 95, as the contract says (5-8 ms).
+- WebP: lossless at the least effort (method 0, quality 0): 40 ms and 1.48 MiB, smaller than the PNG. Pillow's
+  default effort (method 4, quality 80) costs 0.17-0.44 s at 1024² and 1.5-2.8 s at 2048² for files 5-8% smaller.
+  Above MAX_WEBP_PIXELS even the least effort would approach a second, and such requests are refused
+  (`check_encodable`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ SAVE_OPTIONS: dict[ImageFormat, dict[str, object]] = {
     ImageFormat.JPEG: {"format": "JPEG", "quality": 95},
     ImageFormat.WEBP: {"format": "WEBP", "lossless": True, "method": 0, "quality": 0},
 }
-# Lossless WebP at the least effort costs about 0.1 s per megapixel on one core (noise and photo-like images at
-# 1024² and 2048², BENCHMARKS.md): 8 megapixels (e.g. 4096x2048) stay under a second.
+# Lossless WebP at the least effort costs about 0.06 s per megapixel on one core (1024² and 2048² pictures, README's
+# "Image formats"): 8 megapixels (4096x2048) take about half a second, a second on a core half as fast.
 MAX_WEBP_PIXELS = 8 * 2**20
 
 
