@@ -18,6 +18,7 @@ from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
 from loraswap.server.engine.fuse_policy import choose_fused, device_costs, merge_ms, unfused_ms
 from loraswap.server.engine.pipeline.cpu_threads import FixedThreads
+from loraswap.server.engine.pipeline.device_timeline import DeviceMark
 from loraswap.server.engine.pipeline.image_encoding import DecodedImage, check_encodable
 from loraswap.server.engine.pipeline.lora_work import work_at_guidance
 from loraswap.server.engine.pipeline.records import (
@@ -182,15 +183,21 @@ class DiffusionRuntime:
         after is_cancelled() turns true, before the VAE decode.
         """
         check_encodable(params)
+        device = self.loaded.device
+        swapped = None  # (device marks around the swap, whether it fused): a swap queues its work without waiting
         try:
             with self._runner.session():
                 swaps = self.needs_swap(stack, fused)
-                swap_ms, fused = self._swap_in(stack, params, fused, merges=fused and swaps)
-                if swaps and on_swap is not None:
-                    on_swap(swap_ms, fused)
+                before = DeviceMark(device)
+                _, fused = self._swap_in(stack, params, fused, merges=fused and swaps)
+                swapped = (before, DeviceMark(device), fused)
                 run = self._runner.run(params, on_step=on_step, is_cancelled=is_cancelled, stack=stack)
         finally:
             self.snapshot = self._take_snapshot()
+            # The swap's device time, known once the device has passed its end (the run waited for later marks).
+            swap_ms = _elapsed_ms(*swapped[:2]) if swapped is not None and swaps else 0.0
+            if swapped is not None and swaps and on_swap is not None:
+                on_swap(swap_ms, swapped[2])
         timings = dataclasses.replace(
             timings or Timings(), adapter_swap_ms=swap_ms, denoise_ms=run.denoise_ms, decode_ms=run.decode_ms,
             encode_prompt_ms=run.encode_prompt_ms,
@@ -267,3 +274,9 @@ def _static_facts(
         fuse_pristine_bytes=installed.pristine_bytes,
         torch_threads=loaded.threads.threads if isinstance(loaded.threads, FixedThreads) else 0,
     )
+
+
+def _elapsed_ms(before: DeviceMark, after: DeviceMark) -> float:
+    """Device milliseconds between two marks, waiting for the later one (passed already after a run)."""
+    after.wait()
+    return after.ms_since(before)
