@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Required, TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict
 
 from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember
 from loraswap.server.engine.adapters.residency import AdapterResidency
@@ -37,6 +37,9 @@ from loraswap.server.engine.types import (
     StepProgress,
     Timings,
 )
+
+if TYPE_CHECKING:
+    from typing import Required, Unpack  # Python 3.11+; annotations only, so 3.10 runs without them
 
 
 class GenerateOptions(TypedDict, total=False):
