@@ -86,12 +86,13 @@ RULES = RequestRules(ModelDefaults(64, 64, 4, 5.0), size_multiple=16, min_size=1
      (ImageFormat.PNG, 8192, 8192, False), (ImageFormat.JPEG, 8192, 8192, False)],
 )  # fmt: skip
 def test_lossless_webp_is_refused_above_the_size_where_it_costs_seconds(image_format, width, height, refused) -> None:
-    params = RULES.resolve(GenerationRequest(prompt="p", width=width, height=height, image_format=image_format))
+    """Refused where a request is resolved, before it queues."""
+    request = GenerationRequest(prompt="p", width=width, height=height, image_format=image_format)
     if not refused:
-        check_encodable(params)
+        check_encodable(RULES.resolve(request))
         return
     with pytest.raises(InvalidRequestError, match="ask for PNG or JPEG") as raised:
-        check_encodable(params)
+        RULES.resolve(request)
     assert raised.value.reason == "INVALID_REQUEST"
     assert raised.value.metadata == {"field": "image_format"}
     assert width * height > MAX_WEBP_PIXELS

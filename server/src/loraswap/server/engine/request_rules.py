@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from loraswap.server.engine.config import DEFAULT_MAX_STACK
 from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
+from loraswap.server.engine.pipeline.image_encoding import check_encodable
 from loraswap.server.engine.scale_limits import MAX_ADAPTER_SCALE
 from loraswap.server.engine.types import GenerationParams, GenerationRequest, ModelDefaults, StackedAdapter
 
@@ -66,11 +67,13 @@ class RequestRules:
                 "and at the last",
                 field="preview_every",
             )
-        return GenerationParams(
+        params = GenerationParams(
             prompt=request.prompt, negative_prompt=request.negative_prompt, adapters=adapters,
             num_inference_steps=steps, guidance_scale=guidance, width=width, height=height, seed=seed,
             image_format=request.image_format, preview_every=request.preview_every, fuse=request.fuse,
         )  # fmt: skip
+        check_encodable(params)  # a file that would take seconds to write is refused before the request queues
+        return params
 
     def warnings(self, params: GenerationParams) -> tuple[str, ...]:
         """What the caller should know about how these parameters will be read."""

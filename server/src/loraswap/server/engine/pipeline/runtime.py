@@ -19,7 +19,7 @@ from loraswap.server.engine.errors import ErrorReason, InvalidRequestError
 from loraswap.server.engine.fuse_policy import choose_fused, device_costs, merge_ms, unfused_ms
 from loraswap.server.engine.pipeline.cpu_threads import FixedThreads
 from loraswap.server.engine.pipeline.device_timeline import DeviceMark
-from loraswap.server.engine.pipeline.image_encoding import DecodedImage, check_encodable
+from loraswap.server.engine.pipeline.image_encoding import DecodedImage
 from loraswap.server.engine.pipeline.lora_work import work_at_guidance
 from loraswap.server.engine.pipeline.records import (
     CompiledDenoiser,
@@ -181,11 +181,10 @@ class DiffusionRuntime:
         streaming each step through on_step, and decode the image; `DecodedImage.encoded()` writes its file.
 
         `stack` holds the adapters and their strengths (() for the base model); `params` come from
-        `request_rules.resolve`. Raises InvalidRequestError before anything runs for an image whose file would take
-        seconds to write (image_encoding.check_encodable), and GenerationCancelledError at the first step boundary
+        `request_rules.resolve` (which refuses an image whose file would take seconds to write). Raises
+        GenerationCancelledError at the first step boundary
         after is_cancelled() turns true, before the VAE decode.
         """
-        check_encodable(params)
         device = self.loaded.device
         swapped = None  # (device marks around the swap, whether it fused): a swap queues its work without waiting
         try:
