@@ -8,9 +8,9 @@
 #                 when that folder exists, else use what is installed
 # --python PATH   the interpreter that has a CUDA torch (default: python3)
 # Every other option goes to python -m benchmarks.gpu_check (see its --help): by default the full-depth FLUX.1-dev
-# transformer at 1024², 28 steps, 512 T5 tokens, two rank-64 adapters alternating over 10 requests: without any
-# slot, fused (--fuse always), unfused (--quantize none) and fp8, in that order, within 480 s. The last thing
-# printed is one JSON object.
+# transformer at 1024², 28 steps, 512 T5 tokens, a new rank-64 adapter before each of 5 timed requests, the variants
+# bare, fused, fp8_bare and fp8_fused in that order, each within its cap, all within 540 s. The last thing printed is
+# one JSON object; --out FILE keeps it too, updated after each variant.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,7 +20,7 @@ wheels=""
 [[ -d "$root/.whl" ]] && wheels="$root/.whl"
 passthrough=()
 
-usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
