@@ -107,6 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Flux: T5 tokens each prompt is encoded to, in every variant (FLUX.1-dev's is 512)",
     )
     parser.add_argument("--requests", type=int, default=5, help="timed requests per variant")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=8,
+        help="steps of the one profiled request per variant (the same graphs as --steps; fewer keep the profile "
+        "quick to record and read)",
+    )
     parser.add_argument("--rank", type=int, default=64, help="rank of the slot and of the adapters")
     parser.add_argument("--compile", default="regional", choices=COMPILE_KINDS)
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES, help="torch.compile mode")
@@ -144,8 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--variants takes some of {', '.join(VARIANTS)}; got {args.variants!r}")
     if args.size <= 0 or args.size % 16:
         parser.error(f"--size must be a positive multiple of 16; got {args.size}")
-    if args.steps < 1 or args.requests < 1 or args.rank < 1:
-        parser.error("--steps, --requests and --rank must be at least 1")
+    if args.steps < 1 or args.requests < 1 or args.rank < 1 or args.profile_steps < 1:
+        parser.error("--steps, --requests, --profile-steps and --rank must be at least 1")
     if not 1 <= args.max_sequence_length <= FLUX_MAX_SEQUENCE_LENGTH:
         parser.error(f"--max-sequence-length must be 1 to {FLUX_MAX_SEQUENCE_LENGTH}; got {args.max_sequence_length}")
     if args.time_limit <= 0:

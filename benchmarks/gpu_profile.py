@@ -63,7 +63,7 @@ class KernelRecord(NamedTuple):
     end: float
     shapes: Sequence = ()
     op: str = ""  # the aten op (or record_function range) that launched it; "" when unknown
-    launched: float | None = None  # when the host launched it; None: taken as `start`
+    launched: float | None = None  # when the host launched it; None: unknown (in no swap and no step's group)
 
 
 def kind_of(record: KernelRecord, *, rank: int | None = None, in_swap: bool = False) -> str:
@@ -103,8 +103,11 @@ def _union_us(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _launched(record: KernelRecord) -> float:
-    return record.start if record.launched is None else record.launched
+def _within(record: KernelRecord, begin: float, end: float, *, closed: bool = True) -> bool:
+    """Whether the host launched `record` between two host times (a record with no launch time is in no window)."""
+    if record.launched is None:
+        return False
+    return begin <= record.launched <= end if closed else begin < record.launched <= end
 
 
 def _ms(us: float) -> float:
@@ -129,10 +132,7 @@ def summarise(
     names, most time first) and `top_kernels` (name, kind, ms, count).
     """
     kernels = [KernelRecord(*record) for record in records]
-    kinds = [
-        kind_of(kernel, rank=rank, in_swap=swap is not None and swap[0] <= _launched(kernel) <= swap[1])
-        for kernel in kernels
-    ]
+    kinds = [kind_of(kernel, rank=rank, in_swap=swap is not None and _within(kernel, *swap)) for kernel in kernels]
     kernel_us = dict.fromkeys(KINDS, 0.0)
     kernel_count = dict.fromkeys(KINDS, 0)
     by_name: dict[str, list] = {}
@@ -169,7 +169,7 @@ def _step_spans(kernels: list[KernelRecord], step_ends: Sequence[float]) -> list
     encoding comes before it unmarked)."""
     groups: list[list[KernelRecord]] = []
     for before, after in itertools.pairwise(step_ends):
-        group = [kernel for kernel in kernels if before < _launched(kernel) <= after]
+        group = [kernel for kernel in kernels if _within(kernel, before, after, closed=False)]
         if group:
             groups.append(group)
     spans = []
@@ -199,16 +199,22 @@ def records_from_profile(prof, *, device_type: str) -> tuple[list[KernelRecord],
     """
     events = prof.profiler.kineto_results.events()
     marks: dict[str, list[float]] = {SWAP_BEGINS: [], SWAP_DONE: [], STEP_END: []}
-    ops: dict[int, object] = {}
+    ops: dict[int, object] = {}  # the ops (and ranges) the host ran, by their own correlation id
+    launches: dict[int, object] = {}  # the launch calls (cudaLaunchKernel, cuLaunchKernel, ...), by the kernel's id
     host = []
     device = []
     for event in events:
+        if _on_device(event):
+            # The device's copies of record_function ranges (gpu_user_annotation) span kernels: they are none.
+            if not _annotation(event):
+                device.append(event)
+            continue
         name = event.name()
         if name in marks:
             marks[name].append(event.start_ns() / 1000.0)
             continue
-        if _device_kind(event) == "device":
-            device.append(event)
+        if _launch_call(event):
+            launches[event.correlation_id()] = event
         else:
             host.append(event)
             if event.linked_correlation_id() == 0:
@@ -216,17 +222,41 @@ def records_from_profile(prof, *, device_type: str) -> tuple[list[KernelRecord],
     for times in marks.values():
         times.sort()
     if device_type != "cpu":
-        return _kernel_records(device, host, ops), marks
+        return _kernel_records(device, launches, ops), marks
     return _outer_op_records(host), marks
 
 
-def _device_kind(event) -> str:
-    return "host" if str(event.device_type()).rsplit(".", 1)[-1] == "CPU" else "device"
+def _on_device(event) -> bool:
+    return str(event.device_type()).rsplit(".", 1)[-1] != "CPU"
 
 
-def _kernel_records(device: list, host: list, ops: dict[int, object]) -> list[KernelRecord]:
-    # A launch call (cudaLaunchKernel, ...) shares the kernel's own correlation id and links to the op.
-    launches = {event.correlation_id(): event for event in host if event.linked_correlation_id() != 0}
+def _activity(event) -> str | None:
+    """The profiler's kind of event (cpu_op, cuda_runtime, kernel, gpu_user_annotation, ...); None where this
+    torch does not say."""
+    activity = getattr(event, "activity_type", None)
+    return str(activity()) if callable(activity) else None
+
+
+def _launch_call(event) -> bool:
+    """Whether a host event is a call of the CUDA runtime or driver (a kernel's launch shares its correlation id):
+    by its activity, else by its link to an op (ops have none), else by its name."""
+    activity = _activity(event)
+    if activity is not None:
+        return "runtime" in activity or "driver" in activity
+    return event.linked_correlation_id() != 0 or event.name().startswith(("cuda", "cu"))
+
+
+def _annotation(event) -> bool:
+    """Whether a device event is a range's annotation rather than work (asked of the profiler's activity type where
+    this torch has it)."""
+    activity = _activity(event)
+    if activity is not None:
+        return "annotation" in activity
+    user = getattr(event, "is_user_annotation", None)
+    return bool(user()) if callable(user) else False
+
+
+def _kernel_records(device: list, launches: dict[int, object], ops: dict[int, object]) -> list[KernelRecord]:
     records = []
     for kernel in device:
         launch = launches.get(kernel.correlation_id())

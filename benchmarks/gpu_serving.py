@@ -107,11 +107,11 @@ def _with_sequence_length(loaded, length: int):
     return dataclasses.replace(loaded, defaults=defaults), length
 
 
-def _request(args: argparse.Namespace, index: int):
+def _request(args: argparse.Namespace, index: int, steps: int | None):
     from loraswap.server.engine.types import GenerationRequest, ImageFormat
 
     return GenerationRequest(
-        prompt=PROMPT, width=args.size, height=args.size, num_inference_steps=args.steps, seed=index,
+        prompt=PROMPT, width=args.size, height=args.size, num_inference_steps=steps or args.steps, seed=index,
         image_format=ImageFormat(args.image_format),
     )  # fmt: skip
 
@@ -155,13 +155,13 @@ class BarePath:
     def recompilations(self) -> int:
         return self.compiled.graphs_compiled
 
-    def request(self, index: int) -> Served:
+    def request(self, index: int, steps: int | None = None) -> Served:
         """As DiffusionRuntime.generate serves one: refused first if its file would take seconds to write, then
         run, then the file written on this thread (render's reply, then DecodedImage.encoded), nothing resident."""
         from loraswap.server.engine.pipeline.image_encoding import DecodedImage, check_encodable
         from loraswap.server.engine.types import GeneratedImage, Timings
 
-        params = self.loaded.request_rules.resolve(_request(self.args, index))
+        params = self.loaded.request_rules.resolve(_request(self.args, index, steps))
         started = time.perf_counter()
         check_encodable(params)
         with self.runner.session():
@@ -245,9 +245,9 @@ class SlotPath:
         base = self.adapters[index % 2]
         return dataclasses.replace(base, name=f"{base.name}-request-{index}", swap_cache={})
 
-    def request(self, index: int) -> Served:
+    def request(self, index: int, steps: int | None = None) -> Served:
         runtime = self.runtime
-        params = runtime.request_rules.resolve(_request(self.args, index))
+        params = runtime.request_rules.resolve(_request(self.args, index, steps))
         stack = ((self.adapter(index), 1.0),)
         started = time.perf_counter()
         image = runtime.generate(

@@ -21,8 +21,10 @@ Figures:
   next (each a step's worth: the step callback, then the next step's denoiser call): on CUDA the warnings of
   `torch.cuda.set_sync_debug_mode("warn")` in the timed requests (and `host_syncs_per_swap`, inside the residency's
   load_stack); on a CPU loraswap.server.devtools.host_syncs.HostSyncCounter over one more, untimed, request;
-- `profile`: one more request under torch.profiler, summarised by gpu_profile.py (no trace file): kernel time by
-  kind, idle time per step (steps told apart by the same scheduler-step marks), the attention kernels;
+- `profile`: one more request under torch.profiler, at `--profile-steps` steps (the same graphs, a profile a few
+  times smaller to record and read), summarised by gpu_profile.py (no trace file): kernel time by kind (the swap,
+  those steps and the decode), idle time per step (steps told apart by the same scheduler-step marks), the
+  attention kernels;
 - `startup_s`, `first_request_s`, the peak GPU memory, and what the runtime says of itself.
 """
 
@@ -237,7 +239,7 @@ def _profiled_request(path, index: int, args: argparse.Namespace) -> dict:
         after_each_step(path.pipe, lambda: mark(STEP_END)),
         swaps,
     ):
-        path.request(index)
+        path.request(index, steps=args.profile_steps)
         if cuda:
             torch.cuda.synchronize()
     seconds = time.perf_counter() - started
@@ -245,7 +247,7 @@ def _profiled_request(path, index: int, args: argparse.Namespace) -> dict:
     swap = (marks[SWAP_BEGINS][0], marks[SWAP_DONE][0]) if marks[SWAP_BEGINS] and marks[SWAP_DONE] else None
     # The rank for every variant, bare too: FLUX's 64-channel projections then count alike in each.
     summary = summarise(records, rank=args.rank, swap=swap, step_ends=marks[STEP_END])
-    return {"request_s": round(seconds, 3), "kernels": len(records), **summary}
+    return {"steps": args.profile_steps, "request_s": round(seconds, 3), "kernels": len(records), **summary}
 
 
 def _device_facts(device: str) -> dict:

@@ -57,7 +57,8 @@ def test_the_variants_are_named_as_the_outside_check_reads_them() -> None:
         (["--max-sequence-length", "0"], "--max-sequence-length must be 1 to 512"),
         (["--max-sequence-length", "513"], "--max-sequence-length must be 1 to 512"),
         (["--size", "1000"], "--size must be a positive multiple of 16"),
-        (["--requests", "0"], "--steps, --requests and --rank must be at least 1"),
+        (["--requests", "0"], "--steps, --requests, --profile-steps and --rank must be at least 1"),
+        (["--profile-steps", "0"], "--steps, --requests, --profile-steps and --rank must be at least 1"),
         (["--time-limit", "0"], "--time-limit must be positive"),
         (["--caps", "fp8=100"], "--caps takes NAME=SECONDS with NAME one of bare, fused"),
         (["--caps", "fused=soon"], "--caps takes NAME=SECONDS"),
@@ -200,7 +201,8 @@ def test_a_smoke_run_measures_every_variant_into_one_json_object(tmp_path) -> No
     # tiny-flux encodes 32 T5 tokens by default: 64 shows the check's own length reaches every variant.
     result = _run(
         "--device", "cpu", "--model", "tiny-flux", "--size", "64", "--steps", "2", "--requests", "2",
-        "--rank", "4", "--compile", "none", "--max-sequence-length", "64", "--variants", ",".join(VARIANT_NAMES),
+        "--rank", "4", "--compile", "none", "--max-sequence-length", "64", "--profile-steps", "3",
+        "--variants", ",".join(VARIANT_NAMES),
         "--out", str(out), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -227,7 +229,8 @@ def test_a_smoke_run_measures_every_variant_into_one_json_object(tmp_path) -> No
         syncs = variant["host_syncs_per_step"]
         assert syncs is None or syncs >= 0, variant
         profile = variant["profile"]
-        assert set(profile["kernel_ms"]) == set(KINDS) and profile["steps_measured"] >= 1, profile
+        # 3 steps, 3 step ends: the 2 steps after the first are measured.
+        assert set(profile["kernel_ms"]) == set(KINDS) and profile["steps_measured"] == 2, profile
         assert profile["attention_kernels"] and profile["kernel_count"]["gemm"] > 0, profile
     assert bare["swap_ms"] is None and bare["swap_floor_ms"] is None and bare["phases_ms"]["swap"] == 0
     assert bare["profile"]["kernel_count"]["merge"] == 0 and bare["profile"]["kernel_count"]["lora_factors"] == 0

@@ -6,6 +6,8 @@ inductor's triton kernels); the check's figures are only as good as this classif
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from benchmarks.gpu_profile import (
@@ -128,3 +130,70 @@ def test_a_cpu_profile_becomes_outer_op_records_and_marks() -> None:
     assert [list(shape) for shape in linear.shapes[:2]] == [[32, 48], [8, 48]] and linear.end >= linear.start
     summary = summarise(records, rank=8, swap=(marks[SWAP_BEGINS][0], marks[SWAP_DONE][0]), step_ends=marks[STEP_END])
     assert summary["kernel_count"]["lora_factors"] == 3 and summary["steps_measured"] == 2
+
+
+class _Event:
+    """A profiler event as torch's _KinetoEvent answers (times in ns)."""
+
+    def __init__(self, name, device, start, end, correlation, linked=0, shapes=(), activity="kernel") -> None:
+        self._values = (name, device, start, end, correlation, linked, shapes, activity)
+
+    def name(self):
+        return self._values[0]
+
+    def device_type(self):
+        return f"DeviceType.{self._values[1]}"
+
+    def start_ns(self):
+        return self._values[2]
+
+    def end_ns(self):
+        return self._values[3]
+
+    def correlation_id(self):
+        return self._values[4]
+
+    def linked_correlation_id(self):
+        return self._values[5]
+
+    def shapes(self):
+        return [list(shape) for shape in self._values[6]]
+
+    def activity_type(self):
+        return self._values[7]
+
+    def start_thread_id(self):
+        return 1
+
+
+def test_a_cuda_profile_links_each_kernel_to_the_op_and_the_launch_that_made_it() -> None:
+    events = [
+        _Event(STEP_END, "CPU", 1_000_000, 1_001_000, 1, activity="user_annotation"),
+        _Event("aten::mm", "CPU", 1_100_000, 1_200_000, 7, shapes=LORA_A, activity="cpu_op"),
+        _Event("cudaLaunchKernel", "CPU", 1_150_000, 1_160_000, 501, linked=7, activity="cuda_runtime"),
+        _Event("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "CUDA", 5_000_000, 5_400_000, 501, linked=7),
+        # A triton kernel launched through the driver outside any op: its launch call still places it.
+        _Event("cuLaunchKernel", "CPU", 1_300_000, 1_310_000, 502, activity="cuda_driver"),
+        _Event("triton_poi_fused_add_0", "CUDA", 5_500_000, 5_600_000, 502),
+        # The device's copy of a record_function range, spanning the kernels: no kernel itself, and no mark.
+        _Event(STEP_END, "CUDA", 4_900_000, 6_000_000, 0, activity="gpu_user_annotation"),
+        # A copy with no launch call the profile kept: counted, but placed in no step.
+        _Event("Memcpy DtoH (Device -> Pinned)", "CUDA", 5_700_000, 5_800_000, 503, activity="gpu_memcpy"),
+        _Event(STEP_END, "CPU", 2_000_000, 2_001_000, 2, activity="user_annotation"),
+    ]
+    results = types.SimpleNamespace(events=lambda: events)
+    records, marks = records_from_profile(
+        types.SimpleNamespace(profiler=types.SimpleNamespace(kineto_results=results)), device_type="cuda"
+    )
+    assert marks[STEP_END] == [1000.0, 2000.0] and not marks[SWAP_BEGINS]
+    lora, pointwise, copy = sorted(records, key=lambda record: record.start)
+    assert lora == KernelRecord(
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNN", 5000.0, 5400.0, tuple(map(tuple, LORA_A)), "aten::mm", launched=1150.0
+    )
+    assert (pointwise.op, pointwise.launched) == ("", 1300.0) and copy.launched is None
+    summary = summarise(records, rank=64, step_ends=marks[STEP_END])
+    assert summary["kernel_count"] == {
+        "gemm": 0, "attention": 0, "lora_factors": 1, "merge": 0, "elementwise": 1, "other": 1
+    }  # fmt: skip
+    # The step launched the GEMM and the triton kernel: 5000..5600 µs, 100 µs of it idle.
+    assert summary["steps_measured"] == 1 and summary["step_ms"] == 0.6 and summary["idle_ms_per_step"] == 0.1
