@@ -286,14 +286,17 @@ def variant_report(run: ChildRun, variant: Variant, args: argparse.Namespace, li
     report["startup_phases_s"] = startup_phases(run)
     report["limit_s"] = round(limit_s, 1)
     report["wall_s"] = round(run.wall_s, 1)
-    if run.stopped:
+    complete = bool(run.result.get("complete"))
+    if complete and (run.stopped or run.returncode != 0):
+        report["exit"] = "killed at its limit after its last figure" if run.stopped else f"exit status {run.returncode}"
+    elif run.stopped:
         report["stopped"] = f"still running after {limit_s:.0f} s, its limit"
         report.update(where_stopped(run, variant, args, time.monotonic()))
-    elif run.returncode != 0 or not run.result.get("complete"):
+    elif run.returncode != 0 or not complete:
         report["failed"] = run.returncode
         report.setdefault("error", "no result: see stderr_tail")
         report.update(where_stopped(run, variant, args, time.monotonic()))
-    if run.stopped or "failed" in report:
+    if "stopped" in report or "failed" in report:
         report["stderr_tail"] = "".join(run.tail)[-2500:]
     return report
 

@@ -133,6 +133,18 @@ def test_a_phase_that_ended_says_which_began(variant, compile_kind, done, next_p
     assert gpu_check.phase_after(done, gpu_check.VARIANTS[variant], args) == next_phase
 
 
+def test_a_child_that_hangs_after_its_last_figure_is_not_reported_stopped() -> None:
+    child = (
+        "import json, time\n"
+        "print(json.dumps({'variant': 'bare', 'complete': True, 'seconds_per_image': 3.7}), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    run = gpu_check.run_child([sys.executable, "-c", child], 2.0, "bare")
+    report = gpu_check.variant_report(run, gpu_check.VARIANTS["bare"], gpu_check.parse_args([]), 2.0)
+    assert run.stopped and report["seconds_per_image"] == 3.7
+    assert report["exit"] == "killed at its limit after its last figure" and "stopped" not in report
+
+
 @pytest.mark.parametrize(
     ("marks", "phase", "seconds"),
     [
