@@ -312,17 +312,17 @@ def _environment(device: str) -> dict:
     return facts
 
 
-def _skip_reason(name: str, args: argparse.Namespace) -> str | None:
+def skip_reason(name: str, args: argparse.Namespace) -> str | None:
     """Why a variant cannot run on this device at all (None: it can)."""
     if VARIANTS[name].quantize == "fp8" and not args.device.startswith("cuda"):
         return "fp8 needs CUDA"
     return None
 
 
-def _limit_for(name: str, remaining: list[str], left: float, args: argparse.Namespace) -> float:
+def limit_for(name: str, remaining: list[str], left: float, args: argparse.Namespace) -> float:
     """A variant's time: its cap, and never the time kept for the variants still to come after it (those that can
     run here)."""
-    kept = sum(BUDGETS[later].reserve_s for later in remaining if _skip_reason(later, args) is None)
+    kept = sum(BUDGETS[later].reserve_s for later in remaining if skip_reason(later, args) is None)
     return min(args.cap_s[name], left - kept)
 
 
@@ -354,12 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     child_args = _without_option(passed, "--out")
     for position, name in enumerate(args.variant_list):
         variant = VARIANTS[name]
-        reason = _skip_reason(name, args)
+        reason = skip_reason(name, args)
         if reason is not None:
             report["variants"][name] = {"skipped": reason}
             continue
         left = deadline - time.monotonic()
-        limit = _limit_for(name, args.variant_list[position + 1 :], left, args)
+        limit = limit_for(name, args.variant_list[position + 1 :], left, args)
         if limit < LEAST_S:
             report["variants"][name] = {"skipped": f"no time left ({left:.0f} s, the later variants' share kept)"}
             continue

@@ -273,7 +273,7 @@ def _start(args: argparse.Namespace):
     return SlotPath(args, variant, runtime, adapters)
 
 
-def _timed_requests(path, args: argparse.Namespace, cuda: bool) -> tuple[list[Served], CudaSyncs | None]:
+def timed_requests(path, args: argparse.Namespace, cuda: bool) -> tuple[list[Served], CudaSyncs | None]:
     """The timed requests; on CUDA with their host syncs counted between step ends and inside swaps."""
     import torch
 
@@ -314,7 +314,7 @@ def run_variant(args: argparse.Namespace, emit: Emitter) -> None:
     emit.update(first_request_s=round(first.seconds, 2), graphs_since_ready=graphs_before)
 
     with _phase("timed_requests"):
-        served, counted = _timed_requests(path, args, cuda)
+        served, counted = timed_requests(path, args, cuda)
     phases = median_phases(served)
     emit.update(
         seconds_per_image=round(statistics.median(request.seconds for request in served), 3),

@@ -102,15 +102,15 @@ def test_the_default_plan_fits_540_seconds_and_a_slow_variant_leaves_the_later_o
     reserved = sum(gpu_check.BUDGETS[name].reserve_s for name in gpu_check.DEFAULT_VARIANTS)
     assert reserved <= args.time_limit
     # At the start bare gets its cap; fp8_bare, however slow, leaves fp8_fused its reserve.
-    assert gpu_check._limit_for("bare", ["fused", "fp8_bare", "fp8_fused"], 540, args) == 120
-    assert gpu_check._limit_for("fp8_bare", ["fp8_fused"], 365, args) == 170
-    assert gpu_check._limit_for("fp8_bare", ["fp8_fused"], 250, args) == 250 - gpu_check.BUDGETS["fp8_fused"].reserve_s
+    assert gpu_check.limit_for("bare", ["fused", "fp8_bare", "fp8_fused"], 540, args) == 120
+    assert gpu_check.limit_for("fp8_bare", ["fp8_fused"], 365, args) == 170
+    assert gpu_check.limit_for("fp8_bare", ["fp8_fused"], 250, args) == 250 - gpu_check.BUDGETS["fp8_fused"].reserve_s
     # unfused is optional: it keeps nothing back from those before it.
-    assert gpu_check._limit_for("fp8_fused", ["unfused"], 200, args) == 200
+    assert gpu_check.limit_for("fp8_fused", ["unfused"], 200, args) == 200
     assert gpu_check.parse_args(["--caps", "fp8_bare=60"]).cap_s["fp8_bare"] == 60
     # Off CUDA the fp8 variants will not run: nothing is kept for them.
     on_cpu = gpu_check.parse_args(["--device", "cpu"])
-    assert gpu_check._limit_for("unfused", ["fp8_bare", "fp8_fused"], 300, on_cpu) == 150
+    assert gpu_check.limit_for("unfused", ["fp8_bare", "fp8_fused"], 300, on_cpu) == 150
 
 
 @pytest.mark.parametrize(
@@ -297,7 +297,7 @@ def test_on_cuda_the_syncs_are_counted_between_step_ends_and_inside_swaps(monkey
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     path = _Path()
-    served, counted = gpu_variant._timed_requests(path, gpu_check.parse_args(["--requests", "3"]), cuda=True)
+    served, counted = gpu_variant.timed_requests(path, gpu_check.parse_args(["--requests", "3"]), cuda=True)
     assert served == [1, 2, 3] and modes == ["warn", 0]
     # From the first step end to the last: 3 steps, 3 waits (the last step's callback wait comes after the last
     # step end, the prompt's before the first); each swap waits once.
