@@ -8,8 +8,8 @@ name is accepted and the native one used, in one log line. SDXL's UNet has atten
 directly, not diffusers' dispatcher: it always runs native.
 
 Unset, on Hopper (compute capability 9.x), start-up measures: each installed candidate runs the model's own
-attention shape at its default size (a warm-up call, then a few calls timed with CUDA events), and the fastest
-runs. It matters there: torch's SDPA prefers its FlashAttention-2 kernel over cuDNN's, which is about twice as fast
+attention shape at the largest size it serves (--max-size; a warm-up call, then a few calls timed with CUDA
+events), and the fastest runs. It matters there: torch's SDPA prefers its FlashAttention-2 kernel over cuDNN's, which is about twice as fast
 on Hopper (published H100 figures for FLUX's (1, 24, 4608, 128): FA2 330 TFLOP/s, cuDNN and FA3 630). A `*_hub`
 backend is never a candidate: it fetches its kernel from the Hub at start-up, which servers without network cannot
 (ask for one by name when its kernel is in the local cache). Elsewhere, unset runs native as before.
@@ -127,9 +127,9 @@ class AttentionShape:
         return f"({self.batch}, {self.heads}, {self.tokens}, {self.head_dim})"
 
 
-def attention_shape(loaded: LoadedModel) -> AttentionShape | None:
-    """The shape of the denoiser's attention at the model's default size; None when its attention does not go
-    through diffusers' backends (SDXL's UNet) or its config does not say its heads.
+def attention_shape(loaded: LoadedModel, size: int | None = None) -> AttentionShape | None:
+    """The shape of the denoiser's attention at `size`² pixels (None: the model's default width and height); None
+    when its attention does not go through diffusers' backends (SDXL's UNet) or its config does not say its heads.
 
     Flux's blocks attend over one joint sequence: the packed latent patches (a token per `size_multiple` pixels
     each way) and the T5 prompt, padded to its max_sequence_length; a step's batch is the guidance batch.
@@ -142,10 +142,11 @@ def attention_shape(loaded: LoadedModel) -> AttentionShape | None:
     defaults = loaded.defaults
     multiple = loaded.traits.size_multiple(loaded.pipe)
     text_tokens = defaults.max_sequence_length or _call_default(loaded.pipe, "max_sequence_length") or 0
+    height, width = (size, size) if size is not None else (defaults.height, defaults.width)
     return AttentionShape(
         batch=loaded.traits.guidance_batch(defaults.guidance_scale),
         heads=heads,
-        tokens=(defaults.height // multiple) * (defaults.width // multiple) + text_tokens,
+        tokens=(height // multiple) * (width // multiple) + text_tokens,
         head_dim=head_dim,
     )
 
@@ -334,7 +335,10 @@ def choose_attention(
         StartupError: diffusers cannot set the backend (see apply_attention).
     """
     shape = attention_shape(loaded)
-    running = apply_attention(loaded.denoiser, resolve_attention(name, loaded.device, shape, loaded.dtype, measure))
+    # Measured at the largest image the server takes: where a step costs most, and where the kernels differ (at a
+    # small default size, random-flux's 128², launch overhead hides them).
+    largest = attention_shape(loaded, loaded.request_rules.max_size)
+    running = apply_attention(loaded.denoiser, resolve_attention(name, loaded.device, largest, loaded.dtype, measure))
     if running != NATIVE or loaded.device.type != "cuda" or shape is None:
         return running  # SDXL's UNet calls SDPA at many shapes: no one kernel to name
     kernel = sdpa_kernel(shape, loaded.dtype, loaded.device)
