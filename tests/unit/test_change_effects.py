@@ -133,3 +133,13 @@ def test_a_loha_whose_products_pass_the_range_is_refused_however_small_its_chang
     with pytest.raises(AdapterFormatError) as refused:
         refuse_out_of_range({("unet", "x"): effect}, F32, {("unet", "x"): on_the_way})
     assert refused.value.reason == "ADAPTER_OUT_OF_RANGE" and "LoHa product" in refused.value.message
+
+
+def test_a_converters_failure_is_told_in_our_words_not_torchs() -> None:
+    from loraswap.server.engine.adapters.canonical import _converter_said
+
+    torch_text = "shape '[3, -1]' is invalid for input of size 7"
+    assert torch_text not in _converter_said(RuntimeError(torch_text))
+    assert "RuntimeError" in _converter_said(RuntimeError(torch_text))
+    assert "'lora_unet_x.alpha'" in _converter_said(KeyError("lora_unet_x.alpha"))
+    assert "Incompatible keys" in _converter_said(ValueError("Incompatible keys detected: x"))

@@ -243,9 +243,19 @@ def _to_diffusers_keys(
     # (asserts, attribute errors, divisions by zero): any failure means the same, no layout they read.
     except Exception as exc:
         raise AdapterFormatError(
-            f"the adapter's keys are in no layout diffusers can read for {spec.family.value} ({shorten(exc)})"
+            f"the adapter's keys are in no layout diffusers can read for {spec.family.value} ({_converter_said(exc)})"
         ) from exc
     return converted, alphas
+
+
+def _converter_said(exc: Exception) -> str:
+    """What a converter's failure tells a caller: diffusers' own words (its ValueErrors name the keys it could not
+    place) or the key it missed; never the text of a torch operation that gave up on a tensor's shape."""
+    if isinstance(exc, KeyError) and exc.args:
+        return f"it looked for a tensor named {shorten(exc.args[0], 120)!r}"
+    if type(exc) is ValueError:
+        return shorten(exc)
+    return f"its conversion failed on the file's tensors ({type(exc).__name__})"
 
 
 def _split_by_component(
