@@ -156,14 +156,13 @@ class BarePath:
         return self.compiled.graphs_compiled
 
     def request(self, index: int, steps: int | None = None) -> Served:
-        """As DiffusionRuntime.generate serves one: refused first if its file would take seconds to write, then
+        """As DiffusionRuntime.generate serves one: resolved (which refuses a file that would take seconds to write),
         run, then the file written on this thread (render's reply, then DecodedImage.encoded), nothing resident."""
-        from loraswap.server.engine.pipeline.image_encoding import DecodedImage, check_encodable
+        from loraswap.server.engine.pipeline.image_encoding import DecodedImage
         from loraswap.server.engine.types import GeneratedImage, Timings
 
         params = self.loaded.request_rules.resolve(_request(self.args, index, steps))
         started = time.perf_counter()
-        check_encodable(params)
         with self.runner.session():
             run = self.runner.run(params, on_step=lambda progress: None, is_cancelled=lambda: False)
         timings = Timings(denoise_ms=run.denoise_ms, decode_ms=run.decode_ms, encode_prompt_ms=run.encode_prompt_ms)

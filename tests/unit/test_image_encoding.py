@@ -20,14 +20,8 @@ from PIL import Image
 
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import InvalidRequestError
-from loraswap.server.engine.pipeline.image_encoding import (
-    MAX_WEBP_PIXELS,
-    DecodedImage,
-    ImageEncoder,
-    check_encodable,
-    encode_image,
-)
-from loraswap.server.engine.request_rules import RequestRules
+from loraswap.server.engine.pipeline.image_encoding import DecodedImage, ImageEncoder, encode_image
+from loraswap.server.engine.request_rules import MAX_WEBP_PIXELS, RequestRules, check_encodable
 from loraswap.server.engine.scheduler import GenerationJob, GenerationScheduler
 from loraswap.server.engine.types import (
     GeneratedImage,

@@ -12,8 +12,8 @@ README's "Image formats", 1024² noise-like and photo-like pictures on one core)
 - JPEG: quality 95, as the contract says (5-8 ms).
 - WebP: lossless at the least effort (method 0, quality 0): 40 ms and 1.48 MiB, smaller than the PNG. Pillow's
   default effort (method 4, quality 80) costs 0.17-0.44 s at 1024² and 1.5-2.8 s at 2048² for files 5-8% smaller.
-  Above MAX_WEBP_PIXELS even the least effort would approach a second, and such requests are refused
-  (`check_encodable`).
+  Above request_rules.MAX_WEBP_PIXELS even the least effort would approach a second, and such requests are refused
+  where they are resolved (`check_encodable`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from loraswap.server.engine.errors import InvalidRequestError
-from loraswap.server.engine.types import GeneratedImage, GenerationParams, ImageFormat
+from loraswap.server.engine.types import GeneratedImage, ImageFormat
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -42,24 +41,6 @@ SAVE_OPTIONS: dict[ImageFormat, dict[str, object]] = {
     ImageFormat.JPEG: {"format": "JPEG", "quality": 95},
     ImageFormat.WEBP: {"format": "WEBP", "lossless": True, "method": 0, "quality": 0},
 }
-# Lossless WebP at the least effort costs about 0.06 s per megapixel on one core (1024² and 2048² pictures, README's
-# "Image formats"): 8 megapixels (4096x2048) take about half a second, a second on a core half as fast.
-MAX_WEBP_PIXELS = 8 * 2**20
-
-
-def check_encodable(params: GenerationParams) -> None:
-    """Refuse a request whose file would take seconds to write (lossless WebP above MAX_WEBP_PIXELS).
-
-    Raises:
-        InvalidRequestError: naming `image_format`, and the formats that write such an image quickly.
-    """
-    pixels = params.width * params.height
-    if params.image_format is ImageFormat.WEBP and pixels > MAX_WEBP_PIXELS:
-        raise InvalidRequestError(
-            f"lossless WebP is limited to {MAX_WEBP_PIXELS // 2**20} megapixels ({params.width}x{params.height} is "
-            f"{pixels / 2**20:.1f}): above that it takes seconds to encode; ask for PNG or JPEG, or a smaller size",
-            field="image_format",
-        )
 
 
 def encode_image(image: Image, image_format: ImageFormat) -> bytes:
@@ -144,7 +125,7 @@ class ImageEncoder:
         try:
             try:
                 image = decoded.encoded()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the request's own failure, reported to it
                 on_failed(exc)
             else:
                 on_encoded(image)
