@@ -169,7 +169,10 @@ def test_the_engines_start_up_lines_become_phase_marks(capsys) -> None:
     logger.addHandler(handler)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(logger, "level", logging.INFO)
+            # setLevel, not the attribute: it also clears the logger's cache of isEnabledFor answers, which an
+            # earlier test in this process may have filled while the level was WARNING.
+            patch.setattr(logger, "level", logger.level)
+            logger.setLevel(logging.INFO)
             # As _PhaseClock logs a phase's end.
             logger.info(
                 "start-up %s: %.2f s, %s", "quantize", 181.5, "fp8", extra={"phase": "quantize", "seconds": 181.5}
@@ -180,6 +183,7 @@ def test_the_engines_start_up_lines_become_phase_marks(capsys) -> None:
             )
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(logger.level)  # the level restored by the patch; the cache cleared again
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(gpu_check.PHASE_MARK)]
     marks = [json.loads(line[len(gpu_check.PHASE_MARK) :]) for line in lines]
     assert marks == [
