@@ -1,6 +1,6 @@
 """Hostile LyCORIS and kohya files against one real tiny-sdxl server (float32, --fuse auto): what the hostile-file
 probe found, each refused where the file first becomes known, with its own reason and what to do, while the server
-keeps serving, the resident model and the cached adapters stay as they were, and nothing recompiles.
+keeps serving and the resident model and the cached adapters stay as they were.
 
 The files are the LyCORIS package's own (tests/support/lycoris_files.py), edited: a layer carrying two kinds'
 tensors, factors of 1e20 (a LoHa merge about 1e81, a LoRA's and a LoKr's 1e40), a float64 LoHa of 1e300, an alpha of
@@ -113,7 +113,9 @@ def hostile_dir(tmp_path_factory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def server(hostile_dir):
-    async with serving("tiny-sdxl", hostile_dir, fuse="auto") as running:
+    # Uncompiled: what is checked here is where each file is refused and what stays as it was; the compiled
+    # servers of test_lycoris_adapters.py and test_hostile_inputs.py hold that refusals compile nothing.
+    async with serving("tiny-sdxl", hostile_dir, fuse="auto", compile=False) as running:
         yield running
 
 
@@ -132,11 +134,10 @@ async def _cached(client) -> set[str]:
 
 
 async def _unchanged(client, before: dict) -> None:
-    """The server serves on, the model and the control as before, the cache as before, nothing recompiled."""
+    """The server serves on, the control adapter as before (merged from the same pristine weights as every image),
+    the cache as before. The base model's own image is compared at the end."""
     assert await _cached(client) == before["cached"]
     assert (await client.generate_image(**REQUEST, adapter=CONTROL)).data == before["control"]
-    assert (await client.generate_image(**REQUEST)).data == before["base"]
-    assert (await client.server_info()).recompilations == 0
 
 
 async def _refusal(client, how: str, name: str, scale: float = 1.0) -> LoraswapError:
@@ -148,8 +149,10 @@ async def _refusal(client, how: str, name: str, scale: float = 1.0) -> LoraswapE
     return caught.value
 
 
-@pytest.mark.parametrize("how", ["preload", "generate"])
-@pytest.mark.parametrize(("name", "kinds"), [("loha-and-lora-keys", "LoHa,LoRA"), ("loha-and-lokr-keys", "LoHa,LoKr")])
+@pytest.mark.parametrize(
+    ("how", "name", "kinds"),
+    [("preload", "loha-and-lora-keys", "LoHa,LoRA"), ("generate", "loha-and-lokr-keys", "LoHa,LoKr")],
+)
 async def test_a_layer_with_two_kinds_is_refused_not_cut_down(client, before, how, name, kinds) -> None:
     error = await _refusal(client, how, name)
     assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_MIXED_KINDS"), error
@@ -157,11 +160,12 @@ async def test_a_layer_with_two_kinds_is_refused_not_cut_down(client, before, ho
     await _unchanged(client, before)
 
 
-@pytest.mark.parametrize("how", ["preload", "generate"])
+# Each file by one way in (a Generate's cold load or PreloadAdapter), both ways covered.
 @pytest.mark.parametrize(
-    ("name", "fits"),
-    [("loha-1e20", False), ("loha-float64-1e300", False), ("lora-1e20", True), ("lokr-1e20", False),
-     ("loha-alpha-minus-1e30", True)],
+    ("how", "name", "fits"),
+    [("generate", "loha-1e20", False), ("preload", "loha-float64-1e300", False), ("generate", "lora-1e20", True),
+     ("preload", "lokr-1e20", False), ("generate", "loha-alpha-minus-1e30", True),
+     ("preload", "loha-alpha-minus-1e30", True)],
 )  # fmt: skip
 async def test_an_adapter_past_the_range_at_strength_1_is_refused_where_it_loads_and_never_cached(
     client, before, how, name, fits
@@ -200,3 +204,4 @@ async def test_the_control_and_a_real_lycoris_file_are_served_as_before(client, 
     for name in ("lokr", "lora"):
         assert (await client.generate_image(**REQUEST, adapter=name)).data != before["base"]
     await _unchanged(client, before | {"cached": await _cached(client)})
+    assert (await client.generate_image(**REQUEST)).data == before["base"]
