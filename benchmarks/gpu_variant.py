@@ -40,6 +40,7 @@ import time
 import warnings
 
 from benchmarks.gpu_serving import VARIANTS, BarePath, Served, SlotPath, median_phases, two_adapters
+from loraswap.server.engine.pipeline.call_hooks import around_calls
 
 log = logging.getLogger("benchmarks.gpu_variant")
 
@@ -101,32 +102,6 @@ class Emitter:
     def update(self, **values) -> None:
         self.result.update(values)
         print(json.dumps(self.result), flush=True)
-
-
-@contextlib.contextmanager
-def around_calls(owner, name: str, *, before=None, after=None):
-    """`before()` and `after()` around each call of `owner.<name>` while inside (an instance attribute that shadows
-    the method, removed again at the end, as HostSyncCounter.steps_of marks steps)."""
-    method = getattr(owner, name)
-    shadowed = vars(owner).get(name)
-
-    def wrapped(*args, **kwargs):
-        if before is not None:
-            before()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            if after is not None:
-                after()
-
-    setattr(owner, name, wrapped)
-    try:
-        yield
-    finally:
-        if shadowed is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, shadowed)
 
 
 def after_each_step(pipe, callback):

@@ -32,13 +32,15 @@ Dispatch modes are per thread: enter the counter on the thread that runs the pip
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from loraswap.server.engine.pipeline.call_hooks import around_calls
 
 # Ops whose answer reaches the host: a scalar read, a size that depends on values, a comparison's verdict.
 _READS = frozenset(
@@ -101,27 +103,10 @@ class HostSyncCounter(TorchDispatchMode):
         self._step += 1
         self._per_step.append(0)
 
-    @contextlib.contextmanager
-    def steps_of(self, scheduler: object) -> Iterator[None]:
+    def steps_of(self, scheduler: object) -> contextlib.AbstractContextManager[None]:
         """A step boundary after each call of `scheduler.step` (diffusers' pipelines call it once per step, after
         the denoiser and before the step-end callback)."""
-        stepping = scheduler.step
-        shadowed = vars(scheduler).get("step")
-
-        def step(*args, **kwargs):
-            try:
-                return stepping(*args, **kwargs)
-            finally:
-                self.next_step()
-
-        scheduler.step = step  # an instance attribute: it shadows the class's method while counting
-        try:
-            yield
-        finally:
-            if shadowed is None:
-                del scheduler.step
-            else:
-                scheduler.step = shadowed
+        return around_calls(scheduler, "step", after=self.next_step)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

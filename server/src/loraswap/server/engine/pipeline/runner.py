@@ -20,6 +20,7 @@ import torch
 
 from loraswap.server.engine.adapters.canonical import StackMember
 from loraswap.server.engine.errors import ErrorReason, GenerationCancelledError, InvalidRequestError
+from loraswap.server.engine.pipeline.call_hooks import around_calls
 from loraswap.server.engine.pipeline.compile import conv_backend
 from loraswap.server.engine.pipeline.device_timeline import DeviceMark
 from loraswap.server.engine.pipeline.records import CompiledDenoiser, LoadedModel
@@ -89,8 +90,12 @@ class PipelineRunner:
             return callback_kwargs
 
         loaded.threads.adjust()
-        prompt_spans: list[tuple[DeviceMark, DeviceMark]] = []
-        with _marking_calls(loaded.pipe, "encode_prompt", loaded.device, prompt_spans):
+        prompt_marks: list[DeviceMark] = []  # before and after each encode_prompt call, read after the run
+
+        def mark() -> None:
+            prompt_marks.append(DeviceMark(loaded.device))
+
+        with around_calls(loaded.pipe, "encode_prompt", before=mark, after=mark):
             result = loaded.pipe(**self._pipeline_kwargs(params), callback_on_step_end=step_end)
         decoded_at = time.perf_counter()
         # Every mark is passed by now: the last step was waited for before the decode.
@@ -99,7 +104,7 @@ class PipelineRunner:
             pixels=result.images[0],
             denoise_ms=denoise_ms,
             decode_ms=(decoded_at - started_at) * 1000.0 - denoise_ms,
-            encode_prompt_ms=sum(end.ms_since(begun) for begun, end in prompt_spans),
+            encode_prompt_ms=sum(end.ms_since(begun) for begun, end in zip(prompt_marks[::2], prompt_marks[1::2])),
             decoded_at=decoded_at,
         )
 
@@ -115,31 +120,6 @@ class PipelineRunner:
         if defaults.max_sequence_length is not None:
             kwargs["max_sequence_length"] = defaults.max_sequence_length
         return kwargs
-
-
-@contextlib.contextmanager
-def _marking_calls(
-    owner: object, name: str, device: torch.device, spans: list[tuple[DeviceMark, DeviceMark]]
-) -> Iterator[None]:
-    """Put a mark before and after each call of `owner.<name>` into `spans` (read after the run: nothing waits)."""
-    method = getattr(owner, name)
-    shadowed = vars(owner).get(name)
-
-    def marked(*args, **kwargs):
-        begun = DeviceMark(device)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            spans.append((begun, DeviceMark(device)))
-
-    setattr(owner, name, marked)  # an instance attribute: it shadows the class's method for this run only
-    try:
-        yield
-    finally:
-        if shadowed is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, shadowed)
 
 
 def _not_finite_error(stack: tuple[StackMember, ...], step: int) -> InvalidRequestError:
