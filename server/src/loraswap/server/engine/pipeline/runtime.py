@@ -182,24 +182,25 @@ class DiffusionRuntime:
 
         `stack` holds the adapters and their strengths (() for the base model); `params` come from
         `request_rules.resolve` (which refuses an image whose file would take seconds to write). Raises
-        GenerationCancelledError at the first step boundary
-        after is_cancelled() turns true, before the VAE decode.
+        GenerationCancelledError at the first step boundary after is_cancelled() turns true, before the VAE decode.
         """
-        device = self.loaded.device
-        swapped = None  # (device marks around the swap, whether it fused): a swap queues its work without waiting
+        swap_marks = None  # (before, after) a swap that happened: it queues its work without waiting
+        swap_ms = 0.0
         try:
             with self._runner.session():
                 swaps = self.needs_swap(stack, fused)
-                before = DeviceMark(device)
-                _, fused = self._swap_in(stack, params, fused, merges=fused and swaps)
-                swapped = (before, DeviceMark(device), fused)
+                before = DeviceMark(self.loaded.device)
+                fused = self._swap_in(stack, params, fused, merges=fused and swaps)
+                if swaps:
+                    swap_marks = (before, DeviceMark(self.loaded.device))
                 run = self._runner.run(params, on_step=on_step, is_cancelled=is_cancelled, stack=stack)
         finally:
             self.snapshot = self._take_snapshot()
-            # The swap's device time, known once the device has passed its end (the run waited for later marks).
-            swap_ms = _elapsed_ms(*swapped[:2]) if swapped is not None and swaps else 0.0
-            if swapped is not None and swaps and on_swap is not None:
-                on_swap(swap_ms, swapped[2])
+            if swap_marks is not None:
+                # The swap's device time, known once the device has passed its end (the run waited for later marks).
+                swap_ms = _elapsed_ms(*swap_marks)
+                if on_swap is not None:
+                    on_swap(swap_ms, fused)
         timings = dataclasses.replace(
             timings or Timings(), adapter_swap_ms=swap_ms, denoise_ms=run.denoise_ms, decode_ms=run.decode_ms,
             encode_prompt_ms=run.encode_prompt_ms,
@@ -221,20 +222,22 @@ class DiffusionRuntime:
 
     def _swap_in(
         self, stack: tuple[StackMember, ...], params: GenerationParams, fused: bool, *, merges: bool
-    ) -> tuple[float, bool]:
-        """Make `stack` resident, fused or not (`merges`: this swap merges); returns (ms spent, whether it is fused).
+    ) -> bool:
+        """Make `stack` resident, fused or not (`merges`: this swap merges); returns whether it is fused.
 
         Under auto, fusing is only the cheaper way: a stack whose merge would overflow the model's dtype but
         fits the slot runs unfused instead, as it would under never (every time: whether a merge overflows is a
         property of the stack and its strengths). A pinned fused path is refused instead.
         """
         try:
-            return self.residency.load_stack(stack, fused=fused), fused
+            self.residency.load_stack(stack, fused=fused)
+            return fused
         except InvalidRequestError as refused:
             auto_may_unfuse = self.config.fuse == "auto" and params.fuse is None and self.unfused_bucket(stack) is not None
             if not (merges and auto_may_unfuse and refused.reason == ErrorReason.ADAPTER_OUT_OF_RANGE):
                 raise
-            return self.residency.load_stack(stack, fused=False), False
+            self.residency.load_stack(stack, fused=False)
+            return False
 
 
 def _static_facts(
