@@ -88,7 +88,7 @@ class Meter:
     def merge_ms(self, rank: int) -> float:
         import torch
 
-        from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+        from loraswap.server.engine.adapters.formats import CanonicalAdapter, CanonicalLayer
 
         generator = torch.Generator().manual_seed(rank)
         dtype = self.runtime.loaded.dtype

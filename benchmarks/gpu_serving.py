@@ -292,7 +292,7 @@ def two_adapters(runtime, rank: int, device: str) -> list:
     import torch
     from safetensors.torch import save_file
 
-    from loraswap.server.engine.adapters.canonical import load_canonical
+    from loraswap.server.engine.adapters.formats import load_canonical
     from loraswap.server.engine.adapters.sources import AdapterFile
 
     adapters = []

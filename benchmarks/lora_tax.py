@@ -13,7 +13,7 @@ graph-counting backend. Variants of our slot: nothing resident (`slot_base`: the
 skipped), rank-8, -32 and -64 adapters (each computing at its rank bucket), and, as the slot was
 before buckets, nothing resident and rank 8 computed at the full max rank (`*_full_width`).
 Fused (`fused_r8`, `fused_r32`, `fused_r64`): the same adapters merged into the base weights of
-the slot layers (adapters/fused.py, from pristine copies kept apart as --fuse does), the slot's
+the slot layers (adapters/residency/fused.py, from pristine copies kept apart as --fuse does), the slot's
 copy then running the base model's graph; the copies share their base weights, so every other
 variant first puts W0 back (untimed). Every variant runs once untimed (its compile: `compile_s`), then `--repeats` rounds time one
 forward of each, variants interleaved and the order rotated every round so that machine noise
@@ -69,7 +69,7 @@ FUSED_VARIANTS = tuple(name for name, (how, _, _) in VARIANTS.items() if how == 
 
 def _random_adapter(denoiser, layer_names: list[str], rank: int, seed: int):
     """A canonical adapter of `rank` on every slot layer, in the denoiser's dtype."""
-    from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+    from loraswap.server.engine.adapters.formats import CanonicalAdapter, CanonicalLayer
 
     layers = {name: CanonicalLayer(a=a, b=b) for name, a, b in random_lora_factors(denoiser, layer_names, rank, seed)}
     return CanonicalAdapter(name=f"r{rank}", source="bench", layers=layers, warnings=(), load_ms=0.0)
@@ -124,9 +124,7 @@ def measure(pipe, traits, args, quantization: str) -> dict:
     """Build the three copies, compile each, then time every variant interleaved; one result dict."""
     import torch
 
-    from loraswap.server.engine.adapters.fused import FusedWeights
-    from loraswap.server.engine.adapters.residency import AdapterResidency
-    from loraswap.server.engine.adapters.slot import HotswapSlot
+    from loraswap.server.engine.adapters.residency import AdapterResidency, FusedWeights, HotswapSlot
     from loraswap.server.engine.pipeline.compile import CountingBackend
     from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
     from loraswap.server.engine.rank_buckets import resolve_rank_buckets

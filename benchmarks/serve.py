@@ -187,7 +187,7 @@ def measure_direct(args, model: str, adapter_dir: Path) -> dict:
     """The engine runtime called in-process (no scheduler, no gRPC): per-step and per-request baselines."""
     import torch
 
-    from loraswap.server.engine.adapters.canonical import load_canonical
+    from loraswap.server.engine.adapters.formats import load_canonical
     from loraswap.server.engine.adapters.sources import AdapterFile
     from loraswap.server.engine.pipeline.startup import start_runtime
     from loraswap.server.engine.types import GenerationRequest

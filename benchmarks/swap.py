@@ -10,7 +10,7 @@ stack paths swap between two stacks of `--stack-members` adapters of rank
 rank / members on the same layers, so that a stack holds the bytes of one
 headline adapter (reported under "stack"). The fused path merges each adapter into
 the base weights instead (W0 + B A from pristine copies, float32, one rounding;
-adapters/fused.py), beside its own floor (copy W0 into the touched weights, plus the
+adapters/residency/fused.py), beside its own floor (copy W0 into the touched weights, plus the
 factors' product in float32). Each swap
 is timed with perf_counter around the whole path, from "a different adapter
 is wanted" to "the model would now run with it". The first swap of each path
@@ -367,10 +367,13 @@ class SwapBench:
         returns the seconds of each."""
         import torch
 
-        from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
-        from loraswap.server.engine.adapters.model_layers import ModelLayers
-        from loraswap.server.engine.adapters.residency import AdapterResidency
-        from loraswap.server.engine.adapters.slot import HotswapSlot
+        from loraswap.server.engine.adapters.formats import ModelLayers
+        from loraswap.server.engine.adapters.residency import (
+            AdapterResidency,
+            FusedWeights,
+            HotswapSlot,
+            PristineWeights,
+        )
 
         model_layers = ModelLayers.of({self.component: self.denoiser})  # before the slot wraps its layers
         started = time.perf_counter()
@@ -391,7 +394,7 @@ class SwapBench:
         return fused.pristine.nbytes if fused is not None else 0
 
     def _load_canonical(self, path: Path):
-        from loraswap.server.engine.adapters.canonical import load_canonical
+        from loraswap.server.engine.adapters.formats import load_canonical
         from loraswap.server.engine.adapters.sources import AdapterFile
 
         return load_canonical(AdapterFile(name=path.parent.name, path=path, source="local"), self.spec)

@@ -17,7 +17,7 @@ import pytest_asyncio
 import torch
 
 from loraswap.client import LoraswapError
-from loraswap.server.engine.adapters.canonical import load_canonical
+from loraswap.server.engine.adapters.formats import load_canonical
 from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.pipeline.startup import start_runtime

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 REQUEST = dict(prompt="a lighthouse at dusk", seed=3, num_inference_steps=2, guidance_scale=5.0)
 CONTROL = "loha"
-# The range a float32 model serves a change in: √ of float32's largest value (adapters/change_effects.py).
+# The range a float32 model serves a change in: √ of float32's largest value (adapters/formats/change_effects.py).
 FLOAT32_RANGE = math.sqrt(torch.finfo(torch.float32).max)
 NEAR_RANGE_FIT = 3.2  # the near-range LoHa moves its strongest layer to FLOAT32_RANGE / 3.2 at strength 1
 ATTENTION_PRESET = dict(TEST_PRESET, unet_target_module=["Transformer2DModel"], unet_target_name=[])

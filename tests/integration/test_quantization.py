@@ -17,7 +17,7 @@ import pytest_asyncio
 import torch
 
 from loraswap.server.config import SettingsError
-from loraswap.server.engine.adapters.canonical import load_canonical
+from loraswap.server.engine.adapters.formats import load_canonical
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models.shapes import shapes_adapter_dir

@@ -129,7 +129,7 @@ def test_the_request_is_thread_sensitive() -> None:
 def test_fuse_auto_decides_from_the_request_alone_so_its_bits_stay() -> None:
     """Fused and unfused images differ in their last bits: auto's choice for a request is the same whatever is
     resident, and the same on a second runtime started with the same flags."""
-    from loraswap.server.engine.adapters.canonical import load_canonical
+    from loraswap.server.engine.adapters.formats import load_canonical
     from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
 
     config = EngineConfig(model="shapes", compile="none", torch_threads=TEST_TORCH_THREADS)
@@ -166,7 +166,7 @@ def test_fuse_auto_keeps_the_slot_where_its_cost_model_says_the_merge_costs_more
     import dataclasses
 
     from loraswap.server.engine import fuse_policy
-    from loraswap.server.engine.adapters.canonical import load_canonical
+    from loraswap.server.engine.adapters.formats import load_canonical
     from loraswap.server.engine.adapters.sources import LocalAdapterDirectory
 
     dear = dataclasses.replace(fuse_policy.DEVICE_COSTS["cpu"], merge_layer_ns=1e6)

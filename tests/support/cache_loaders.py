@@ -8,8 +8,8 @@ from collections import Counter
 
 import torch
 
-from loraswap.server.engine.adapters.cache import AdapterCache
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, CanonicalLayer
+from loraswap.server.engine.adapters.formats import CanonicalAdapter, CanonicalLayer
+from loraswap.server.engine.adapters.residency import AdapterCache
 from loraswap.server.engine.errors import AdapterFormatError
 
 WAIT_S = 10

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from peft.tuners.lora import LoraLayer
 
-from loraswap.server.engine.adapters.canonical import SlotSpec
+from loraswap.server.engine.adapters.formats import SlotSpec
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.models import builtin_model
 from loraswap.server.engine.pipeline.startup import start_runtime

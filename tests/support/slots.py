@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
-from loraswap.server.engine.adapters.fused import FusedWeights
-from loraswap.server.engine.adapters.residency import AdapterResidency
-from loraswap.server.engine.adapters.slot import HotswapSlot
+from loraswap.server.engine.adapters.residency import AdapterResidency, DeviceAdapterCache, FusedWeights, HotswapSlot
 
 CPU = torch.device("cpu")
 DENOISER = "denoiser"  # the component name the residencies made here give their denoiser

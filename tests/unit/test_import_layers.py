@@ -1,5 +1,6 @@
-"""Imports only go down: the server never imports the client, and each engine module imports only its own layer
-and the layers below it.
+"""Imports only go down: the server never imports the client, each engine module imports only its own layer
+and the layers below it, the adapter rooms import sources -> formats -> residency only, and the server's import
+picture (tests/support/import_graph.py, as the README draws it) has no circle.
 
 Every import counts, at the top of a module or inside a function: a deferred import is a dependency all the same
 (engine/config.py once imported pipeline/quantization.py inside `__post_init__`, which imported engine/config.py
@@ -12,6 +13,8 @@ import ast
 from pathlib import Path
 
 import pytest
+
+from tests.support.import_graph import ImportGraph, imported_modules, module_name
 
 SERVER_SRC = Path(__file__).resolve().parents[2] / "server" / "src"
 SERVER = "loraswap.server"
@@ -29,7 +32,7 @@ ENGINE_LAYERS: tuple[frozenset[str], ...] = tuple(
         ("errors", "types", "observer", "interface", "families", "compile_options", "quantize_options",
          "scale_limits", "fuse_policy", "rank_buckets", "quiet_imports"),
         ("adapters",),  # reading, converting, caching and swapping adapters
-        ("models",),  # the built-in models and model loading (which name bases as adapters/base_model.py does)
+        ("models",),  # the built-in models and model loading (which name bases as adapters/sources/base_model.py does)
         ("config",),  # EngineConfig: the settings and the checks their values alone decide
         ("request_rules",),  # what a request may ask of the resident model
         ("pipeline",),  # the resident pipeline: pre-flight, start-up, runtime, warm-up
@@ -42,28 +45,7 @@ ENGINE_NEVER_IMPORTS = ("grpc", "loraswap.v1", "loraswap.wire", CLIENT)
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(SERVER_SRC).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
-    """Every module `source` (the text of `module`) imports, anywhere in it, by absolute name.
-
-    `from a.b import c` gives both a.b and a.b.c, as c may be a module; relative imports are resolved.
-    """
-    package = module if is_package else module.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
-    return found
+    return module_name(path, SERVER_SRC)
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -80,6 +62,57 @@ def engine_layer(name: str) -> int | None:
         if top in layer:
             return index
     raise LookupError(f"{ENGINE}.{top} has no layer: add it to ENGINE_LAYERS in {Path(__file__).name}")
+
+
+ADAPTERS = f"{ENGINE}.adapters"
+# The adapter rooms, lowest first: a room's modules import their own room's modules and the rooms before it.
+ADAPTER_ROOMS = ("sources", "formats", "residency")
+# Where the imports of the rooms are checked from: the server, the tests and the benchmarks.
+REPO = SERVER_SRC.parents[1]
+ROOM_USERS = (SERVER_SRC / "loraswap" / "server", REPO / "tests", REPO / "benchmarks")
+
+
+def adapter_room(name: str) -> str | None:
+    """The room a module of engine/adapters belongs to; None outside the rooms."""
+    relative = name.removeprefix(ADAPTERS + ".") if _within(name, ADAPTERS) and name != ADAPTERS else ""
+    if not relative:
+        return None
+    room = relative.split(".")[0]
+    if room not in ADAPTER_ROOMS:
+        raise LookupError(f"{ADAPTERS}.{room} is in no room: put it in one of {ADAPTER_ROOMS}")
+    return room
+
+
+def room_problems(source: str, module: str, is_package: bool = False) -> list[str]:
+    """What a module imports of the adapter rooms that it may not: a room above its own, a module inside another
+    room (the others use a room's public names, its package), or its own room's package (a circle through the
+    package's names)."""
+    own = adapter_room(module)
+    problems = []
+    for name in sorted(imported_modules(source, module, is_package)):
+        room = adapter_room(name)
+        if room is None:
+            continue
+        package = f"{ADAPTERS}.{room}"
+        if own is not None and ADAPTER_ROOMS.index(room) > ADAPTER_ROOMS.index(own):
+            problems.append(f"{name} (room {room}, above this module's {own})")
+        elif room != own and name != package and name.rpartition(".")[0] != package:
+            problems.append(f"{name} (inside room {room}: import its public names from {package})")
+        elif room != own and name.rpartition(".")[0] == package and name.rpartition(".")[2] not in _public(room):
+            problems.append(f"{name} (a module of room {room}: import its public names from {package})")
+        elif room == own and name == package and not is_package:
+            problems.append(f"{name} (its own room's package: import the module that defines the name)")
+    return problems
+
+
+def _public(room: str) -> frozenset[str]:
+    init = SERVER_SRC.joinpath(*ADAPTERS.split("."), room, "__init__.py")
+    names = next(
+        (node.value for node in ast.walk(ast.parse(init.read_text()))
+         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)),
+        None,
+    )  # fmt: skip
+    return frozenset(ast.literal_eval(names)) if names is not None else frozenset()
 
 
 def client_imports(source: str, module: str) -> list[str]:
@@ -182,3 +215,58 @@ def test_a_settings_import_of_observability_is_caught() -> None:
 def test_a_new_engine_module_must_be_given_a_layer() -> None:
     with pytest.raises(LookupError, match="ENGINE_LAYERS"):
         engine_layer(f"{ENGINE}.somewhere_new")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [path for root in ROOM_USERS for path in sorted(root.rglob("*.py"))],
+    ids=lambda path: str(path.relative_to(REPO)),
+)
+def test_the_adapter_rooms_are_imported_downward_and_through_their_public_names(path: Path) -> None:
+    inside_server = SERVER_SRC in path.parents
+    module = _module_name(path) if inside_server else ".".join(path.relative_to(REPO).with_suffix("").parts)
+    problems = room_problems(path.read_text(), module, is_package=path.name == "__init__.py")
+    assert problems == [], f"{module} imports {problems}"
+
+
+def test_every_adapter_module_is_in_a_room() -> None:
+    loose = sorted(
+        path.name for path in SERVER_SRC.joinpath(*ADAPTERS.split(".")).glob("*.py") if path.name != "__init__.py"
+    )
+    assert loose == [], f"engine/adapters/ holds modules outside its rooms: {loose}"
+
+
+def test_the_server_import_picture_has_no_circle_and_no_arrow_back_up() -> None:
+    graph = ImportGraph.of(SERVER_SRC / "loraswap" / "server")
+    assert len(graph.arrows) > 50
+    assert graph.circles() == []
+    assert graph.arrows_back_up() == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        (f"{ADAPTERS}.sources.safetensors_file", "from loraswap.server.engine.adapters.formats import LayerChange\n"),
+        (f"{ADAPTERS}.formats.canonical", "from loraswap.server.engine.adapters.residency.fused import FusedWeights\n"),
+        (f"{ADAPTERS}.residency.fused", "from loraswap.server.engine.adapters.formats.canonical import SlotSpec\n"),
+        (f"{ADAPTERS}.residency.fused", "from loraswap.server.engine.adapters.residency import HotswapSlot\n"),
+        (f"{ENGINE}.diffusion_engine", "from loraswap.server.engine.adapters.sources.url_fetch import UrlTimeouts\n"),
+        (f"{ENGINE}.diffusion_engine", "from loraswap.server.engine.adapters.formats import canonical\n"),
+        ("tests.unit.test_x", "from loraswap.server.engine.adapters.residency.slot import HotswapSlot\n"),
+    ],
+)  # fmt: skip
+def test_an_import_against_the_rooms_is_caught(module: str, source: str) -> None:
+    assert room_problems(source, module) != []
+
+
+def test_a_circle_is_seen(tmp_path: Path) -> None:
+    package = tmp_path / "src" / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import B\nA = 1\n")
+    (package / "b.py").write_text("def f():\n    from pkg.a import A\n")
+    (package / "c.py").write_text("from pkg import a\n")
+    graph = ImportGraph.of(package)
+    assert graph.circles() == [["pkg.a", "pkg.b"]]
+    assert graph.arrows["pkg.c"] == {"pkg.a"}
+    assert len(graph.arrows_back_up()) == 2

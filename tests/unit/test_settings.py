@@ -331,7 +331,7 @@ def test_the_url_token_file_is_read_at_start_and_never_quoted(tmp_path, monkeypa
     monkeypatch.setenv("EXAMPLE_TOKEN", "from-the-environment")
     settings = _settings(["--url-token-file", str(tokens)])
     assert settings.engine.url_token_file == tokens
-    from loraswap.server.engine.adapters.url_policy import read_token_file
+    from loraswap.server.engine.adapters.sources import read_token_file
 
     assert read_token_file(tokens) == {"huggingface.co": "hf_secret", "*.example.com": "from-the-environment"}
     monkeypatch.delenv("EXAMPLE_TOKEN")

@@ -102,7 +102,7 @@ def adapter_names(text: str) -> tuple[str, ...]:
 
 def url_host(text: str) -> str:
     """One --allow-url-host value: a host name, `*.domain` or IP address, lower case."""
-    from loraswap.server.engine.adapters.url_policy import check_host_rule
+    from loraswap.server.engine.adapters.sources import check_host_rule
 
     return check_host_rule(text)
 
@@ -222,7 +222,7 @@ class EngineConfig:
         metavar="BACKEND",
     )
     allow_hub: bool = setting(False, "let adapter names fall back to Hugging Face Hub repo ids", switch=True)
-    # Adapters from URLs (adapters/url_policy.py, url_fetch.py, download_cache.py).
+    # Adapters from URLs (adapters/sources/url_policy.py, url_fetch.py, download_cache.py).
     allow_url_host: tuple[str, ...] = setting(
         (),
         "a host adapter names may be https:// URLs on (repeat the flag for more; *.example.com: its subdomains; "
@@ -275,7 +275,7 @@ class EngineConfig:
     url_deadline_seconds: float = setting(
         600.0, "seconds a URL adapter's whole download may take", parse=positive_seconds
     )
-    # Bases accepted beside the served one, for adapters that declare theirs (adapters/base_model.py).
+    # Bases accepted beside the served one, for adapters that declare theirs (adapters/sources/base_model.py).
     allow_base: tuple[str, ...] = setting(
         (),
         "comma-separated further base models (Hub ids, e.g. black-forest-labs/FLUX.1-schnell) whose adapters this "
@@ -298,7 +298,7 @@ class EngineConfig:
     adapter_cache_bytes: int = setting(
         DEFAULT_ADAPTER_CACHE_BYTES, "host-memory budget of the adapter cache (pinned adapters count)", parse=int
     )
-    # CUDA: device memory for a hot set of recently swapped adapters (adapters/device_cache.py); 0: none.
+    # CUDA: device memory for a hot set of recently swapped adapters (adapters/residency/device_cache.py); 0: none.
     device_adapter_bytes: int = setting(
         0,
         "CUDA: device memory for the most recently swapped adapters, so that a swap between them is a copy within "
@@ -376,7 +376,7 @@ class EngineConfig:
                 "the disk's room"
             )
         if self.url_token_file is not None:
-            from loraswap.server.engine.adapters.url_policy import read_token_file
+            from loraswap.server.engine.adapters.sources import read_token_file
 
             try:
                 read_token_file(self.url_token_file)

@@ -15,18 +15,23 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from loraswap.server.engine.adapters.base_model import BaseModelPolicy
-from loraswap.server.engine.adapters.cache import AdapterCache, CacheEntry
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember, load_canonical
-from loraswap.server.engine.adapters.change_effects import refuse_strengths
+from loraswap.server.engine.adapters.formats import (
+    CanonicalAdapter,
+    SlotSpec,
+    StackMember,
+    load_canonical,
+    refuse_strengths,
+)
+from loraswap.server.engine.adapters.residency import AdapterCache, CacheEntry, check_stack_fits, slot_can_hold
 from loraswap.server.engine.adapters.sources import (
     AdapterSources,
+    BaseModelPolicy,
     HubAdapterSource,
     LocalAdapterDirectory,
     check_name,
+    is_url_name,
+    public_name,
 )
-from loraswap.server.engine.adapters.swap_plan import check_stack_fits, slot_can_hold
-from loraswap.server.engine.adapters.url_names import is_url_name, public_name
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import (
     EngineError,
@@ -493,9 +498,13 @@ async def _entry(future: Future, hit: bool) -> tuple[CacheEntry, float]:
 
 def url_adapter_source(config: EngineConfig, observer: EngineObserver):
     """The fetcher of URL adapters under the config's --allow-url-host rules, or None when no host is allowed."""
-    from loraswap.server.engine.adapters.download_cache import DownloadCache
-    from loraswap.server.engine.adapters.url_fetch import UrlAdapterSource, UrlTimeouts
-    from loraswap.server.engine.adapters.url_policy import UrlPolicy, UrlTokens
+    from loraswap.server.engine.adapters.sources import (
+        DownloadCache,
+        UrlAdapterSource,
+        UrlPolicy,
+        UrlTimeouts,
+        UrlTokens,
+    )
 
     if not (config.allow_url_host or config.allow_insecure_url_host):
         return None

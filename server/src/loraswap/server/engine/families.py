@@ -39,7 +39,7 @@ class FamilyTraits:
     # The pipeline attributes of the text encoders, whose layers adapters may change too.
     text_encoders: tuple[str, ...]
     # kohya-style layer-name prefixes (sd-scripts, LyCORIS) this server reads itself -> the component they change
-    # (adapters/key_layouts.py); files in other layouts go through diffusers' converters.
+    # (adapters/formats/key_layouts.py); files in other layouts go through diffusers' converters.
     kohya_prefixes: Mapping[str, str]
     # The published latent-to-RGB projection of the family's VAE latent space, for step previews
     # (engine/pipeline/previews.py); a built-in model with a VAE of its own records its own (models/registry.py).

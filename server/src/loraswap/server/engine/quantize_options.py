@@ -9,7 +9,7 @@ from __future__ import annotations
 # How the denoiser's base linear weights are stored: as loaded, int8 weight-only, or float8.
 QUANTIZATIONS = ("none", "int8wo", "fp8")
 # Those fused swaps can merge adapters into (--fuse auto|always): float8 weights are requantized from pristine
-# copies in place (adapters/fp8_merges.py); int8 weight-only weights are served unfused only (per-channel int8 has
+# copies in place (adapters/residency/fp8_merges.py); int8 weight-only weights are served unfused only (per-channel int8 has
 # no in-place writer here).
 FUSABLE_QUANTIZATIONS = ("none", "fp8")
 # fp8 needs a CUDA device of this compute capability or higher (Ada, Hopper and later).

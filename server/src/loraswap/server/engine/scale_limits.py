@@ -1,7 +1,7 @@
 """How strong an adapter may be applied. Plain values, no torch.
 
 A leaf: request validation (engine/request_rules.py) refuses strengths beyond the limit, and adapter
-conversion (engine/adapters/canonical.py) refuses lora_B factors that would overflow the model's dtype
+conversion (engine/adapters/formats/canonical.py) refuses lora_B factors that would overflow the model's dtype
 at it; neither imports the other for it.
 """
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, StackMember
+from loraswap.server.engine.adapters.formats import CanonicalAdapter, StackMember
 from loraswap.server.engine.adapters.residency import stack_order
 from loraswap.server.engine.config import SettingsError
 from loraswap.server.engine.errors import (

@@ -98,7 +98,7 @@ class GenerationRequest:
     image_format: ImageFormat = ImageFormat.PNG
     preview_every: int = 0  # a preview every this many steps and at the last; 0: none
     fuse: FuseChoice | None = None  # the path pinned by the caller; None: the server's --fuse policy
-    # URL adapters are named by their public identity (adapters/url_names.py); identity -> the full URL the caller
+    # URL adapters are named by their public identity (adapters/sources/url_names.py); identity -> the full URL the caller
     # sent, a secret that only the fetcher sees (never shown: not in repr, not compared).
     adapter_links: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 

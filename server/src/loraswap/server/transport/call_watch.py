@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from loraswap.server.engine.adapters.url_names import loggable_name
+from loraswap.server.engine.adapters.sources import loggable_name
 from loraswap.server.engine.types import Timings
 from loraswap.server.observability.calls import REQUEST_ID_KEY, CallRecord, method_name, request_id_from
 from loraswap.server.observability.observers import ServerObservers

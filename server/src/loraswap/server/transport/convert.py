@@ -10,8 +10,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from loraswap.server.engine.adapters.sources import split_names
-from loraswap.server.engine.adapters.url_names import is_url_name, loggable_name, parse_url_name
+from loraswap.server.engine.adapters.sources import is_url_name, loggable_name, parse_url_name, split_names
 from loraswap.server.engine.types import (
     AdapterCacheSummary,
     AdapterSummary,

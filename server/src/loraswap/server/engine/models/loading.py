@@ -68,7 +68,7 @@ def model_name(model: str) -> str:
 
 
 def served_base_model(model: str) -> str:
-    """The base model `model` serves, in the vocabulary adapters declare theirs (adapters/base_model.py).
+    """The base model `model` serves, in the vocabulary adapters declare theirs (adapters/sources/base_model.py).
 
     A built-in model's registered base; a folder or a Hub id: its model_name.
     """

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraswap.server.engine.adapters.base_model import FLUX_DEV, SDXL_BASE
+from loraswap.server.engine.adapters.sources import FLUX_DEV, SDXL_BASE
 from loraswap.server.engine.models.shapes import SHAPES_LATENT_RGB, SHAPES_MAX_SEQUENCE_LENGTH, shapes_adapter_dir
 from loraswap.server.engine.types import LatentRgb, ModelDefaults
 
@@ -47,7 +47,7 @@ class BuiltinModel:
     # (torch dtype, layers or None) -> the pipeline on CPU, identical on every call.
     builder: Callable[[Any, int | None], Any]
     defaults: ModelDefaults
-    # The base model adapters for it declare (GetServerInfo's base_model), in adapters/base_model.py's vocabulary.
+    # The base model adapters for it declare (GetServerInfo's base_model), in adapters/sources/base_model.py's vocabulary.
     base_model: str
     # The dtype it serves in when --dtype is unset; None: bfloat16 on CUDA, float32 on CPU.
     dtype: str | None = None

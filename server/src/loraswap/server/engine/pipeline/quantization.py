@@ -6,7 +6,7 @@ refused at start-up elsewhere. Quantization runs after the swap slot is installe
 the plain `torch.nn.Linear` layers of the denoiser are chosen (a LoRA layer's `base_layer` is one), never the
 slot's lora_A / lora_B factors, so swaps remain in-place copies into the same tensors. Fused swaps (--fuse
 auto|always) merge into fp8 weights by requantizing them in place from the pristine copies the slot phase took in the
-model's dtype, before this ran (adapters/fp8_merges.py); int8wo weights are served unfused only.
+model's dtype, before this ran (adapters/residency/fp8_merges.py); int8wo weights are served unfused only.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def quantize_denoiser(denoiser: torch.nn.Module, quantization: str) -> None:
         if quantization == "int8wo"
         # Per-tensor scales, torchao's default and the diffusers fast-LoRA recipe's: on torch 2.11 + CUDA 13 the
         # per-row variant's compiled _scaled_mm failed on an H200 (CUBLAS_STATUS_NOT_SUPPORTED, BENCHMARKS.md).
-        # Fused merges (adapters/fp8_merges.py) write these per-tensor weights in place.
+        # Fused merges (adapters/residency/fp8_merges.py) write these per-tensor weights in place.
         else Float8DynamicActivationFloat8WeightConfig(set_inductor_config=False)
     )
     quantize_(denoiser, config, filter_fn=_is_base_linear)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from loraswap.server.engine.adapters.model_layers import ModelLayers
+from loraswap.server.engine.adapters.formats import ModelLayers
 from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.compile_options import compile_mode_label
 from loraswap.server.engine.families import FamilyTraits

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraswap.server.engine.adapters.canonical import StackMember
+from loraswap.server.engine.adapters.formats import StackMember
 from loraswap.server.engine.errors import ErrorReason, GenerationCancelledError, InvalidRequestError
 from loraswap.server.engine.pipeline.call_hooks import around_calls
 from loraswap.server.engine.pipeline.compile import conv_backend

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
-from loraswap.server.engine.adapters.canonical import CanonicalAdapter, SlotSpec, StackMember
+from loraswap.server.engine.adapters.formats import CanonicalAdapter, SlotSpec, StackMember
 from loraswap.server.engine.adapters.residency import AdapterResidency
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import ErrorReason, InvalidRequestError

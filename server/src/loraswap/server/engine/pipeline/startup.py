@@ -21,11 +21,14 @@ from pathlib import Path
 
 import torch
 
-from loraswap.server.engine.adapters.device_cache import DeviceAdapterCache
-from loraswap.server.engine.adapters.fused import FusedWeights, PristineWeights
-from loraswap.server.engine.adapters.model_layers import ModelLayers
-from loraswap.server.engine.adapters.residency import AdapterResidency
-from loraswap.server.engine.adapters.slot import HotswapSlot
+from loraswap.server.engine.adapters.formats import ModelLayers
+from loraswap.server.engine.adapters.residency import (
+    AdapterResidency,
+    DeviceAdapterCache,
+    FusedWeights,
+    HotswapSlot,
+    PristineWeights,
+)
 from loraswap.server.engine.compile_options import effective_compile_mode, resolve_compile_kind
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import GenerationCancelledError, StartupError, StartupStopped
@@ -233,7 +236,7 @@ def install_slot(config: EngineConfig, loaded: LoadedModel) -> InstalledSlot:
 def _keep_pristine_weights(
     config: EngineConfig, loaded: LoadedModel, model_layers: ModelLayers, target_layers: list[str]
 ) -> PristineWeights:
-    """The pristine copies merges start from (adapters/fused.py): the slot layers' base weights now when fusing,
+    """The pristine copies merges start from (adapters/residency/fused.py): the slot layers' base weights now when fusing,
     any other layer's at the first merge that changes it, all within one budget.
 
     Raises:

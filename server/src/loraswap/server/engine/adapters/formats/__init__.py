@@ -1,0 +1,71 @@
+"""Formats: what an adapter file means, read from its bytes into weight changes.
+
+Key layouts (diffusers/PEFT, kohya, BFL and SGM names), LoraConfig scalings, every LyCORIS kind and the weight
+change each makes, how far each change moves its layer, and the canonical adapter every reader produces.
+
+May import: sources/ (files and their claims) and the engine's leaves. Knows no slot and no model weights beyond
+layer names and shapes (ModelLayers); writes nothing into the model (residency/ does). Other code uses the names
+below, never a module inside.
+"""
+
+from __future__ import annotations
+
+from loraswap.server.engine.adapters.formats.canonical import (
+    CanonicalAdapter,
+    CanonicalLayer,
+    SlotSpec,
+    StackMember,
+    converter_said,
+    load_canonical,
+)
+from loraswap.server.engine.adapters.formats.change_effects import (
+    effect_limit,
+    formed_on_the_way,
+    largest_fitting_strength,
+    layer_effect,
+    refuse_out_of_range,
+    refuse_strengths,
+    slot_effect,
+)
+from loraswap.server.engine.adapters.formats.key_layouts import (
+    file_layers,
+)
+from loraswap.server.engine.adapters.formats.model_layers import (
+    ModelLayers,
+)
+from loraswap.server.engine.adapters.formats.original_names import (
+    bfl_to_diffusers,
+    sgm_to_diffusers,
+)
+from loraswap.server.engine.adapters.formats.weight_changes import (
+    Full,
+    Hadamard,
+    Kronecker,
+    LayerChange,
+    LowRank,
+)
+
+__all__ = [
+    "CanonicalAdapter",
+    "CanonicalLayer",
+    "Full",
+    "Hadamard",
+    "Kronecker",
+    "LayerChange",
+    "LowRank",
+    "ModelLayers",
+    "SlotSpec",
+    "StackMember",
+    "bfl_to_diffusers",
+    "converter_said",
+    "effect_limit",
+    "file_layers",
+    "formed_on_the_way",
+    "largest_fitting_strength",
+    "layer_effect",
+    "load_canonical",
+    "refuse_out_of_range",
+    "refuse_strengths",
+    "sgm_to_diffusers",
+    "slot_effect",
+]
