@@ -31,16 +31,16 @@ PHASES = {"swap", "encode_prompt", "denoise", "decode", "encode_image"}
 TOP_KEYS = ("max_sequence_length", "size", "steps", "layers", "environment")
 
 
+def _run_script(argv: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """gpu_check.sh with exactly `argv` and `env`, its output captured as text."""
+    return subprocess.run(
+        ["bash", str(SCRIPT), *argv], check=False, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        ["bash", str(SCRIPT), "--wheels", "", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return _run_script(["--wheels", "", *args], env, timeout)
 
 
 def test_the_variants_are_named_as_the_outside_check_reads_them() -> None:
@@ -74,18 +74,9 @@ def test_bad_arguments_exit_2_naming_what_to_fix(args, message) -> None:
 def test_the_wrapper_refuses_a_missing_wheel_folder(tmp_path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     missing = tmp_path / "nowhere"
-    result = subprocess.run(
-        ["bash", str(SCRIPT), "--wheels", str(missing)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    result = _run_script(["--wheels", str(missing)], env)
     assert result.returncode == 2 and f"--wheels {missing} is not a folder" in result.stderr
-    result = subprocess.run(
-        ["bash", str(SCRIPT), "--python"], check=False, capture_output=True, text=True, timeout=60, env=env
-    )
+    result = _run_script(["--python"], env)
     assert result.returncode == 2 and "--python needs an interpreter" in result.stderr
 
 

@@ -104,15 +104,11 @@ def _write_hostile_files(root: Path) -> None:
     edited(loha, "loha-near-range", near_range)
 
 
-@pytest.fixture(scope="module")
-def hostile_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hostile-lycoris")
-    _write_hostile_files(root)
-    return root
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def server(hostile_dir):
+async def server(tmp_path_factory):
+    """The server of the hostile files, written into a folder of the module's own."""
+    hostile_dir = tmp_path_factory.mktemp("hostile-lycoris")
+    _write_hostile_files(hostile_dir)
     # Uncompiled: what is checked here is where each file is refused and what stays as it was; the compiled
     # servers of test_lycoris_adapters.py and test_hostile_inputs.py hold that refusals compile nothing.
     async with serving("tiny-sdxl", hostile_dir, fuse="auto", compile=False) as running:
