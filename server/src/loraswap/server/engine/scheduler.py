@@ -40,7 +40,7 @@ from loraswap.server.engine.errors import (
 from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapMode, SwapPath
 from loraswap.server.engine.pipeline.image_encoding import ImageEncoder
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
-from loraswap.server.engine.pipeline.startup import StartupStop
+from loraswap.server.engine.pipeline.startup_stop import StartupStop
 from loraswap.server.engine.types import GeneratedImage, GenerationParams, Queued, Timings
 
 log = logging.getLogger(__name__)

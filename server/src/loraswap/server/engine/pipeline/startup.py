@@ -1,22 +1,19 @@
 """Start-up of the resident pipeline, in the order its log tells it: load, slot, quantize, compile, warm-up.
 
 Each phase is a function of the config and of what the phases before it made, and returns a
-record of its own (runtime.py); `start_runtime` runs them in order, logs each phase with its
-duration, and hands the records to DiffusionRuntime. Everything here runs on the engine's
-worker thread.
+record of its own (records.py); `start_runtime` runs them in order, logs each phase with its
+duration (phase_clock.py), and hands the records to DiffusionRuntime. The warm-up, the longest
+phase, is a module of its own (warm_up.py). Everything here runs on the engine's worker thread.
 
 A stop may come at any moment (SIGTERM while warming up). The start-up cannot be interrupted inside
-torch, so it checks a `StartupStop` at its stopping points instead: before each phase, before each
-warm-up pass and at each warm-up step, like a request's cancel flag.
+torch, so it checks a `StartupStop` (startup_stop.py) at its stopping points instead: before each
+phase, before each warm-up pass and at each warm-up step, like a request's cancel flag.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,21 +28,15 @@ from loraswap.server.engine.adapters.residency import (
 )
 from loraswap.server.engine.compile_options import effective_compile_mode, resolve_compile_kind
 from loraswap.server.engine.config import EngineConfig
-from loraswap.server.engine.errors import GenerationCancelledError, StartupError, StartupStopped
+from loraswap.server.engine.errors import StartupError
 from loraswap.server.engine.families import family_of
-from loraswap.server.engine.fuse_policy import (
-    buckets_auto_may_choose,
-    device_costs,
-    merge_ms,
-    unfused_ms,
-    warm_up_graphs,
-)
 from loraswap.server.engine.models import default_dtype, generation_defaults, latent_rgb, load_pipeline
 from loraswap.server.engine.pipeline.attention import choose_attention
+from loraswap.server.engine.pipeline.auto_fuse import log_auto_rule
 from loraswap.server.engine.pipeline.compile import RECOMPILE_LIMIT, compile_counting
-from loraswap.server.engine.pipeline.compile_cache import compile_cache_scope, runtime_cache_key
 from loraswap.server.engine.pipeline.cpu_threads import CoreShare, thread_policy
-from loraswap.server.engine.pipeline.lora_work import SMALLEST_BATCH_GUIDANCE, count_lora_work, work_at_guidance
+from loraswap.server.engine.pipeline.lora_work import count_lora_work
+from loraswap.server.engine.pipeline.phase_clock import STARTUP_LOG, PhaseClock, log_step
 from loraswap.server.engine.pipeline.preflight import preflight
 from loraswap.server.engine.pipeline.previews import LatentPreviewer
 from loraswap.server.engine.pipeline.quantization import quantize_denoiser, weight_bytes
@@ -54,50 +45,18 @@ from loraswap.server.engine.pipeline.records import (
     InstalledSlot,
     LoadedModel,
     StoredWeights,
-    WarmedUp,
 )
-from loraswap.server.engine.pipeline.runner import PipelineRunner
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
+from loraswap.server.engine.pipeline.startup_stop import StartupStop
 from loraswap.server.engine.pipeline.target_layers import resolve_target_layers
-from loraswap.server.engine.pipeline.warm_up_shapes import warm_up_buckets, warm_up_requests
+from loraswap.server.engine.pipeline.warm_up import warm_up
 from loraswap.server.engine.rank_buckets import resolve_rank_buckets
 from loraswap.server.engine.request_rules import RequestRules
-from loraswap.server.engine.types import GenerationParams, GenerationRequest
 
-log = logging.getLogger(__name__)
+log = STARTUP_LOG
 
 # The share of a CUDA device's memory (1/N) the pristine copies leave free by default: activations, the allocator.
 CUDA_MEMORY_RESERVE = 10
-
-
-class StartupStop:
-    """A stop request the start-up checks at its stopping points; it remembers the phase it came in.
-
-    Set from the event loop, read on the worker thread: each field is one assignment, which needs no lock.
-    """
-
-    def __init__(self) -> None:
-        self.phase = "load"
-        self.requested_in: str | None = None
-
-    def request(self) -> None:
-        """Ask the start-up to stop at its next stopping point (a second request changes nothing)."""
-        if self.requested_in is None:
-            self.requested_in = self.phase
-
-    @property
-    def requested(self) -> bool:
-        return self.requested_in is not None
-
-    def check(self) -> None:
-        """Raise StartupStopped if a stop was requested."""
-        if self.requested_in is not None:
-            raise StartupStopped(self.requested_in)
-
-    def enter(self, phase: str) -> None:
-        """A stopping point: stop here if asked to, else go on into `phase`."""
-        self.check()
-        self.phase = phase
 
 
 def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> DiffusionRuntime:
@@ -109,7 +68,7 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
     """
     preflight(config)  # what this process cannot serve is refused before anything loads
     stop = stop or StartupStop()
-    clock = _PhaseClock()
+    clock = PhaseClock()
     stop.enter("load")
     clock.begin("load", config.model)
     loaded = load(config)
@@ -120,7 +79,7 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
     pristine = f", pristine copies {installed.pristine_bytes} bytes" if installed.pristine_bytes else ""
     clock.done("slot", f"{len(installed.target_layers)} layers at rank {config.max_rank}{pristine}")
     if installed.lora_work is not None:
-        _log_auto_rule(loaded, installed)
+        log_auto_rule(loaded, installed)
     # A stop names the phase the log names next: unquantized, what follows the slot is the compile.
     stop.enter("quantize" if config.quantize != "none" else "compile")
     if config.quantize != "none":
@@ -286,7 +245,7 @@ def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: Insta
     attention_backend = choose_attention(config.attention, loaded)  # measured on Hopper when unset
     kind = resolve_compile_kind(config.compile, loaded.device.type)
     if kind != "none":
-        _log_step("compile", started, f"attention {attention_backend}; wrapping the denoiser in torch.compile")
+        log_step("compile", started, f"attention {attention_backend}; wrapping the denoiser in torch.compile")
     mode = effective_compile_mode(config.compile_mode, loaded.device.type)
     if mode != config.compile_mode:
         log.warning(
@@ -302,142 +261,7 @@ def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: Insta
     return CompiledDenoiser(kind=kind, mode=mode, attention_backend=attention_backend, backend=backend)
 
 
-def warm_up(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    installed: InstalledSlot,
-    compiled: CompiledDenoiser,
-    stop: StartupStop | None = None,
-) -> WarmedUp:
-    """Run the pipeline at the shapes and rank buckets that make every later request reuse a compiled graph: under
-    --fuse auto only the buckets its rule may choose (auto_buckets).
-
-    Raises StartupStopped at the first pass or step after `stop` is requested."""
-    stop = stop or StartupStop()
-    slot = installed.residency.slot
-    if not config.warmup:
-        return WarmedUp(frozenset(slot.rank_buckets), compiled.graphs_compiled)
-    runner = PipelineRunner(loaded, compiled)
-    traits = loaded.traits
-    requests = warm_up_requests(
-        loaded.request_rules, traits.upsample_period(loaded.pipe), traits.warm_up_guidance(loaded.defaults)
-    )
-    graphs = warm_up_graphs(config.fuse, config.fuses, slot.graph_buckets, auto_buckets(loaded, installed))
-    buckets = warm_up_buckets(graphs, compiled.compiled)
-    started, passes = time.perf_counter(), itertools.count(1)
-
-    def announce(bucket: int, params: GenerationParams) -> None:
-        _log_step(
-            "warm-up", started,
-            f"pass {next(passes)} of {len(buckets) * len(requests)} begins: rank bucket {bucket}, "
-            f"{params.width}x{params.height}, {params.num_inference_steps} steps, guidance {params.guidance_scale:g}",
-        )  # fmt: skip
-
-    with compile_cache_scope(_compile_cache_folder(config, loaded, installed, compiled)):
-        for bucket in buckets:
-            _run_at(loaded, runner, installed.residency, bucket, requests=requests, stop=stop, announce=announce)
-    unfused = frozenset(graphs) - {0} if compiled.compiled else frozenset(slot.rank_buckets)
-    return WarmedUp(unfused, compiled.graphs_compiled)
-
-
-def _log_auto_rule(loaded: LoadedModel, installed: InstalledSlot) -> None:
-    """The figures --fuse auto decides by (fuse_policy.py): the device type's constants and the LoRA work counted."""
-    costs = device_costs(loaded.device.type)
-    work = installed.lora_work
-    defaults = loaded.defaults
-    pixels = defaults.width * defaults.height
-    buckets = installed.residency.slot.rank_buckets
-    fused = installed.residency.fused_weights
-    log.info(
-        "--fuse auto: cost model for %s %s; LoRA work per step and rank: %d calls, %.4g MACs/pixel + %.4g MACs; at "
-        "%dx%d one step unfused costs %s, a merge of every slot layer %s; buckets it may run unfused: %s",
-        loaded.device.type, costs, work.calls, work.macs_per_pixel, work.fixed_macs, defaults.width, defaults.height,
-        ", ".join(f"{unfused_ms(costs, work, b, 1, pixels):.3g} ms at {b}" for b in buckets),
-        ", ".join(f"{merge_ms(costs, fused.full_merge_work(b)):.3g} ms at rank {b}" for b in buckets),
-        ",".join(map(str, auto_buckets(loaded, installed))) or "none",
-    )  # fmt: skip
-
-
-def auto_buckets(loaded: LoadedModel, installed: InstalledSlot) -> tuple[int, ...]:
-    """The rank buckets --fuse auto may run a stack at unfused (fuse_policy.buckets_auto_may_choose, with the
-    cheapest step a request can ask for: the smallest image, the smallest batch); () when the server does not run
-    auto."""
-    if installed.lora_work is None:
-        return ()
-    work = work_at_guidance(loaded, installed.lora_work, SMALLEST_BATCH_GUIDANCE)
-    fused = installed.residency.fused_weights
-    buckets = installed.residency.slot.rank_buckets
-    return buckets_auto_may_choose(
-        device_costs(loaded.device.type), work, buckets, loaded.request_rules.min_size**2,
-        {bucket: fused.full_merge_work(bucket) for bucket in buckets},
-    )  # fmt: skip
-
-
-def _run_at(
-    loaded: LoadedModel,
-    runner: PipelineRunner,
-    residency: AdapterResidency,
-    bucket: int,
-    *,
-    requests: list[GenerationRequest],
-    stop: StartupStop,
-    announce: Callable[[int, GenerationParams], None] = lambda bucket, params: None,
-) -> None:
-    """Run the warm-up requests with the base model resident, computing at `bucket` (compiling its graphs); each
-    announced as it begins."""
-    with residency.computing_at(bucket):
-        for request in requests:
-            stop.check()
-            params = loaded.request_rules.resolve(request)
-            announce(bucket, params)
-            try:
-                with runner.session():
-                    runner.run(params, on_step=lambda progress: None, is_cancelled=lambda: stop.requested)
-            except GenerationCancelledError:  # the stop, seen at a step boundary: a pass may take a compile per step
-                stop.check()
-                raise
-    stop.check()
-
-
 # -- what the phases share ------------------------------------------------------------------------------
-
-
-class _PhaseClock:
-    """Logs each start-up phase as it begins and as it ends, with its duration.
-
-    Every line names its phase in the record's extra: `phase`, `event` (begins, step or done: see _log_step) and
-    `seconds`, how long the phase had run when the line was written (0 as it begins, its duration when done), so
-    that the last line of a start-up that never finishes says where it stopped and for how long it had been there.
-    """
-
-    def __init__(self) -> None:
-        self.started = self._phase_started = time.perf_counter()
-
-    def begin(self, phase: str, detail: str) -> None:
-        self._phase_started = time.perf_counter()
-        log.info("start-up %s: begins, %s", phase, detail, extra={"phase": phase, "event": "begins", "seconds": 0.0})
-
-    def done(self, phase: str, detail: str) -> None:
-        now = time.perf_counter()
-        seconds = now - self._phase_started
-        log.info(
-            "start-up %s: %.2f s, %s", phase, seconds, detail,
-            extra={"phase": phase, "event": "done", "seconds": round(seconds, 3)},
-        )  # fmt: skip
-        self._phase_started = now
-
-    @property
-    def total_seconds(self) -> float:
-        return time.perf_counter() - self.started
-
-
-def _log_step(phase: str, phase_started: float, detail: str) -> None:
-    """A step within a phase that may take long (a warm-up pass: its first call compiles), logged as it begins."""
-    seconds = time.perf_counter() - phase_started
-    log.info(
-        "start-up %s: %s, %.1f s into the phase", phase, detail, seconds,
-        extra={"phase": phase, "event": "step", "seconds": round(seconds, 3)},
-    )  # fmt: skip
 
 
 def _device(config: EngineConfig) -> torch.device:
@@ -452,18 +276,3 @@ def _dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown --dtype {config.dtype!r}; use float32, float16 or bfloat16")  # noqa: TRY004
     return dtype
-
-
-def _compile_cache_folder(
-    config: EngineConfig, loaded: LoadedModel, installed: InstalledSlot, compiled: CompiledDenoiser
-) -> Path | None:
-    """The --compile-cache subfolder for this runtime's graphs (see compile_cache.py); None when not caching."""
-    if not compiled.compiled or config.compile_cache is None:
-        return None
-    key = runtime_cache_key(
-        model=config.model, layers=config.layers, dtype=loaded.dtype, device=loaded.device,
-        max_rank=config.max_rank, rank_buckets=tuple(installed.residency.slot.graph_buckets),
-        target_layers=installed.target_layers, quantize=config.quantize, compile_kind=compiled.kind,
-        compile_backend=config.compile_backend, compile_mode=compiled.mode,
-    )  # fmt: skip
-    return key.folder(config.compile_cache)
