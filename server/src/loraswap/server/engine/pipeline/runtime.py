@@ -220,9 +220,7 @@ class DiffusionRuntime:
             components.add(self._slot_spec.denoiser)
         return tuple(sorted(components))
 
-    def _swap_in(
-        self, stack: tuple[StackMember, ...], params: GenerationParams, fused: bool, *, merges: bool
-    ) -> bool:
+    def _swap_in(self, stack: tuple[StackMember, ...], params: GenerationParams, fused: bool, *, merges: bool) -> bool:
         """Make `stack` resident, fused or not (`merges`: this swap merges); returns whether it is fused.
 
         Under auto, fusing is only the cheaper way: a stack whose merge would overflow the model's dtype but
@@ -233,7 +231,9 @@ class DiffusionRuntime:
             self.residency.load_stack(stack, fused=fused)
             return fused
         except InvalidRequestError as refused:
-            auto_may_unfuse = self.config.fuse == "auto" and params.fuse is None and self.unfused_bucket(stack) is not None
+            auto_may_unfuse = (
+                self.config.fuse == "auto" and params.fuse is None and self.unfused_bucket(stack) is not None
+            )
             if not (merges and auto_may_unfuse and refused.reason == ErrorReason.ADAPTER_OUT_OF_RANGE):
                 raise
             self.residency.load_stack(stack, fused=False)
