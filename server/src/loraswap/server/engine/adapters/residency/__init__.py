@@ -1,8 +1,8 @@
 """Residency: how weight changes reach the resident model's weights.
 
-The hotswap slot and its modules, swap plans and the copy stream, fused merges from pristine copies (in float32
-blocks, in the weight's own dtype, into float8), the host and device adapter caches, and the residency that decides
-each swap's path.
+The hotswap slot and its modules, swap plans and the copy stream, fused merges from pristine copies (each layer's
+written in float32 blocks, in the weight's own dtype or into float8, bounded on the host against overflow), the host
+and device adapter caches, and the residency that decides each swap's path.
 
 May import: formats/ (the canonical adapter and its weight changes) and the engine's leaves; reads no files
 (sources/ does). Other code uses the names below, never a module inside.
@@ -31,8 +31,12 @@ from loraswap.server.engine.adapters.residency.fp8_merges import (
     write_fp8,
 )
 from loraswap.server.engine.adapters.residency.fused import (
-    CPU_SCRATCH_ELEMENTS,
     FusedWeights,
+)
+from loraswap.server.engine.adapters.residency.layer_writer import (
+    CPU_SCRATCH_ELEMENTS,
+)
+from loraswap.server.engine.adapters.residency.pristine_weights import (
     PristineWeights,
 )
 from loraswap.server.engine.adapters.residency.slot import (
