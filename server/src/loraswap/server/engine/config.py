@@ -1,6 +1,6 @@
 """The engine's settings: one frozen object, each field declared once with everything a front end needs.
 
-A field made by `setting(...)` is a setting of `loraswap serve`: its name gives the flag
+A field made by `setting(...)` (setting_spec.py) is a setting of `loraswap serve`: its name gives the flag
 (`max_rank` -> `--max-rank`) and the environment twin (`LORASWAP_MAX_RANK`), its default is
 the dataclass default, and its `SettingSpec` says how the text of a flag or variable becomes
 the value, which values are allowed, and the help line. The front end (loraswap.server.config)
@@ -13,8 +13,7 @@ torch and diffusers, so pipeline/preflight.py checks it before anything is loade
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraswap.server.engine.compile_options import (
@@ -27,6 +26,41 @@ from loraswap.server.engine.fuse_policy import FUSE_POLICIES
 from loraswap.server.engine.models import BUILTINS
 from loraswap.server.engine.quantize_options import FUSABLE_QUANTIZATIONS, QUANTIZATIONS, quantize_option_problem
 from loraswap.server.engine.rank_buckets import parse_rank_buckets, resolve_rank_buckets
+from loraswap.server.engine.setting_spec import (
+    SettingsError,
+    SettingSpec,
+    check_setting,
+    names,
+    optional_names,
+    optional_path,
+    optional_text,
+    positive_seconds,
+    setting,
+    setting_fields,
+)
+
+# How settings are declared lives in setting_spec.py; the server's own settings (loraswap.server.config) import
+# those names from here, beside EngineConfig.
+__all__ = [
+    "COMPILE_BACKENDS",
+    "DEFAULT_ADAPTER_CACHE_BYTES",
+    "DEFAULT_MAX_ADAPTER_BYTES",
+    "DEFAULT_MAX_RANK",
+    "DEFAULT_MAX_STACK",
+    "DTYPES",
+    "TEXT_ENCODER_LAYER_POLICIES",
+    "EngineConfig",
+    "SettingSpec",
+    "SettingsError",
+    "adapter_names",
+    "check_setting",
+    "default_download_cache_dir",
+    "optional_path",
+    "optional_text",
+    "setting",
+    "setting_fields",
+    "url_host",
+]
 
 DEFAULT_MAX_RANK = 64
 DEFAULT_MAX_STACK = 4
@@ -39,58 +73,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 # --text-encoder-layers: merge adapters' text-encoder layers into the text encoders, or drop them.
 TEXT_ENCODER_LAYER_POLICIES = ("apply", "ignore")
 
-_SPEC_KEY = "loraswap_setting"
 
-
-class SettingsError(ValueError):
-    """Settings the server cannot start with (a value out of range, an incomplete combination, an unusable file).
-
-    The message is one line that says what to change; `loraswap serve` prints it and exits 2.
-    """
-
-
-@dataclass(frozen=True)
-class SettingSpec:
-    """How one setting is given: as a flag `--name-with-dashes` and as the variable LORASWAP_NAME."""
-
-    help: str
-    # The text of the flag or variable -> the value (argparse's `type`; it may raise ValueError/ArgumentTypeError).
-    parse: Callable[[str], object] = str
-    choices: tuple | None = None
-    metavar: str | None = None
-    switch: bool = False  # on/off: --name / --no-name, and true/false (1/0, yes/no, on/off) in the variable
-    const: object = None  # the value of the flag given alone (a flag that takes an optional value)
-    # A flag --no-name that sets this value (for a flag that is not a switch), with its help line.
-    negated: tuple[object, str] | None = None
-    # A flag given once per value (`parse` reads one), the values a tuple; its variable holds them comma-separated.
-    repeatable: bool = False
-
-
-def setting(default: object, help: str, **spec: object) -> Field:
-    """A dataclass field that is a setting: its default, help line, and the rest of its SettingSpec."""
-    return field(default=default, metadata={_SPEC_KEY: SettingSpec(help=help, **spec)})
-
-
-def setting_fields(config_class: type) -> list[tuple[Field, SettingSpec]]:
-    """The fields of a settings dataclass that are settings, in declaration order, each with its spec."""
-    return [(item, item.metadata[_SPEC_KEY]) for item in fields(config_class) if _SPEC_KEY in item.metadata]
-
-
-# -- how text becomes a value (flags and variables alike) -------------------------------------------------
-
-
-def optional_text(text: str) -> str | None:
-    """An empty flag or variable means "not set", as an absent one does."""
-    return text or None
-
-
-def optional_path(text: str) -> Path | None:
-    return Path(text) if text else None
-
-
-def names(text: str) -> tuple[str, ...]:
-    """`a, b,,c` -> ("a", "b", "c")."""
-    return tuple(name.strip() for name in text.split(",") if name.strip())
+# -- the engine's own readers of flag text ---------------------------------------------------------------
 
 
 def adapter_names(text: str) -> tuple[str, ...]:
@@ -107,24 +91,12 @@ def url_host(text: str) -> str:
     return check_host_rule(text)
 
 
-def positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
 def default_download_cache_dir() -> Path:
     """$XDG_CACHE_HOME/loraswap/adapters, else ~/.cache/loraswap/adapters."""
     import os
 
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "loraswap" / "adapters"
-
-
-def optional_names(text: str) -> tuple[str, ...] | None:
-    """Like `names`, but nothing named means the default (None)."""
-    return names(text) or None
 
 
 @dataclass(frozen=True)
@@ -394,13 +366,3 @@ class EngineConfig:
         or fp8 (requantized in place from pristine copies). int8 weight-only weights are served unfused only: auto
         never fuses them, always refuses them."""
         return self.fuse != "never" and self.quantize in FUSABLE_QUANTIZATIONS
-
-
-def check_setting(check: Callable[..., object], *args: object) -> None:
-    """Run a check that raises ValueError with a one-line message, as a SettingsError."""
-    try:
-        check(*args)
-    except SettingsError:
-        raise
-    except ValueError as error:
-        raise SettingsError(str(error)) from None

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from loraswap.server.engine.adapters.formats import CanonicalAdapter, StackMember
 from loraswap.server.engine.adapters.residency import stack_order
-from loraswap.server.engine.config import SettingsError
 from loraswap.server.engine.errors import (
     EngineError,
     GenerationFailedError,
@@ -41,6 +40,7 @@ from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver, SwapMod
 from loraswap.server.engine.pipeline.image_encoding import ImageEncoder
 from loraswap.server.engine.pipeline.runtime import DiffusionRuntime
 from loraswap.server.engine.pipeline.startup_stop import StartupStop
+from loraswap.server.engine.setting_spec import SettingsError
 from loraswap.server.engine.types import GeneratedImage, GenerationParams, Queued, Timings
 
 log = logging.getLogger(__name__)

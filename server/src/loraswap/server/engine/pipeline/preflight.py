@@ -8,9 +8,10 @@ settings are parsed, so that a bad flag exits 2 in one line before the model loa
 
 from __future__ import annotations
 
-from loraswap.server.engine.config import EngineConfig, check_setting
+from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.pipeline.attention import check_attention
 from loraswap.server.engine.pipeline.quantization import check_quantization
+from loraswap.server.engine.setting_spec import check_setting
 
 
 def preflight(config: EngineConfig) -> None:
