@@ -27,6 +27,12 @@ from loraswap.server.engine.adapters.formats.change_effects import (
     refuse_strengths,
     slot_effect,
 )
+from loraswap.server.engine.adapters.formats.change_kinds import (
+    Full,
+    Hadamard,
+    Kronecker,
+    LowRank,
+)
 from loraswap.server.engine.adapters.formats.key_layouts import (
     file_layers,
 )
@@ -38,11 +44,7 @@ from loraswap.server.engine.adapters.formats.original_names import (
     sgm_to_diffusers,
 )
 from loraswap.server.engine.adapters.formats.weight_changes import (
-    Full,
-    Hadamard,
-    Kronecker,
     LayerChange,
-    LowRank,
 )
 
 __all__ = [

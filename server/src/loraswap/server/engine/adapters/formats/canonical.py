@@ -50,6 +50,7 @@ from loraswap.server.engine.adapters.formats.change_effects import (
     refuse_out_of_range,
     slot_effect,
 )
+from loraswap.server.engine.adapters.formats.change_kinds import LowRank
 from loraswap.server.engine.adapters.formats.key_layouts import (
     FileLayer,
     file_layers,
@@ -61,7 +62,7 @@ from loraswap.server.engine.adapters.formats.lora_config import layer_scalings
 from loraswap.server.engine.adapters.formats.lycoris_layers import ReadLayer, read_layers
 from loraswap.server.engine.adapters.formats.model_layers import ModelLayers
 from loraswap.server.engine.adapters.formats.original_names import original_layer
-from loraswap.server.engine.adapters.formats.weight_changes import LayerChange, LowRank, held_bytes
+from loraswap.server.engine.adapters.formats.weight_changes import LayerChange, held_bytes
 from loraswap.server.engine.adapters.sources import AdapterFile, BaseModelPolicy, read_adapter_file
 from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, ErrorReason, shorten
 from loraswap.server.engine.families import FAMILIES
@@ -179,10 +180,14 @@ class CanonicalAdapter:
         values. What a stack's members are ordered by (residency.stack_order), so the names an adapter is reached
         by never change a stack's image; computed on first use."""
         digest = hashlib.sha256()
-        parts = [(f"slot:{name}", (layer.a, layer.b, layer.magnitude, layer.bias)) for name, layer in self.layers.items()]
+        parts = [
+            (f"slot:{name}", (layer.a, layer.b, layer.magnitude, layer.bias)) for name, layer in self.layers.items()
+        ]
         # A change's plain numbers (its alpha / rank, the weight decomposition's epsilon, a stacked layer's rows)
         # are part of it as much as its tensors.
-        parts += [(f"{key[0]}:{key[1]}:{_change_numbers(change)}", change.tensors) for key, change in self.changes.items()]
+        parts += [
+            (f"{key[0]}:{key[1]}:{_change_numbers(change)}", change.tensors) for key, change in self.changes.items()
+        ]
         for label, tensors in sorted(parts, key=lambda part: part[0]):
             digest.update(label.encode())
             for tensor in tensors:

@@ -30,15 +30,15 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from loraswap.server.engine.adapters.formats.weight_changes import (
+from loraswap.server.engine.adapters.formats.change_kinds import (
     Full,
     Hadamard,
     Kronecker,
-    LayerChange,
     LowRank,
     RowsOf,
     WeightChange,
 )
+from loraswap.server.engine.adapters.formats.weight_changes import LayerChange
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, InvalidRequestError, shorten
 from loraswap.server.engine.scale_limits import MAX_ADAPTER_SCALE
 

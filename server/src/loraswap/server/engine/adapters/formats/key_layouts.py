@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from loraswap.server.engine.adapters.formats.change_kinds import Rows
 from loraswap.server.engine.adapters.formats.model_layers import LayerShape, ModelLayers
 from loraswap.server.engine.adapters.formats.original_names import OriginalLayer
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
 
-# The tensors of one layer a kind this server merges may have (adapters/formats/weight_changes.py).
+# The tensors of one layer a kind this server merges may have (change_kinds.py).
 LAYER_TENSORS = frozenset({
     "lora_up.weight", "lora_down.weight", "lora_mid.weight",
     "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2",
@@ -51,9 +52,6 @@ def _unsupported_kind(name: str, tensor: torch.Tensor) -> str:
     if name == "oft_blocks" and tensor.dim() == 4:
         return BOFT
     return UNSUPPORTED_KIND_TENSORS[name]
-
-
-Rows = tuple[tuple[int, int], ...]  # [start, stop) ranges of a stacked layer's rows, in order
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from loraswap.server.engine.adapters.formats.change_kinds import Full, Hadamard, Kronecker, LowRank, rank_scale
 from loraswap.server.engine.adapters.formats.key_layouts import FileLayer
 from loraswap.server.engine.adapters.formats.model_layers import LayerShape, ModelLayers
-from loraswap.server.engine.adapters.formats.weight_changes import (
-    Full,
-    Hadamard,
-    Kronecker,
-    LayerChange,
-    LowRank,
-    dora_eps,
-    rank_scale,
-)
+from loraswap.server.engine.adapters.formats.weight_changes import LayerChange, dora_eps
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
 
 META = torch.device("meta")
