@@ -162,8 +162,9 @@ class AdapterResidency:
 
         `fused`: merge them into the base weights (fused_weights must be set). Raises STACK_RANK_EXCEEDED
         (AdapterIncompatibleError) before the slot changes when an unfused stack's ranks add up to more than max
-        rank on some layer (the text encoders, merged first, then hold the stack's part); a merge that overflows the model's dtype raises ADAPTER_OUT_OF_RANGE and leaves the
-        unfused slot resident (see fused.py).
+        rank on some layer (the text encoders, merged first, then hold the stack's part); a merge that overflows the
+        model's dtype raises ADAPTER_OUT_OF_RANGE and leaves the unfused slot resident (see fused.py and
+        overflow_bounds.py).
         """
         members = stack_order(members)
         if self.holds(members) and (not members or fused == self.fused):

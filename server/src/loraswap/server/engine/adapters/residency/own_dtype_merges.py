@@ -2,8 +2,8 @@
 
 bfloat16 and float32 products (torch.mm, torch.addmm: oneDNN, AMX where the CPU has it; cuBLAS on a GPU) accumulate
 in float32 and round once into their output, and pointwise kernels compute bfloat16 in float32; so a layer that
-one kind of change alone alters needs no float32 block (fused.py's general path), and costs about what one product
-costs:
+one kind of change alone alters needs no float32 block (layer_writer.py's general path), and costs about what one
+product costs:
 - plain LoRAs at one alpha (the slot's factors, LoRA / LoCon changes): weight = W0 + alpha * B A, one addmm;
 - one LoHa without Tucker cores: each block of rows forms its two products w1a w1b and w2a w2b in the weight's
   dtype, then weight = W0 + alpha * first ⊙ second (one addcmul);
