@@ -17,14 +17,12 @@ When a URL adapter is not in the host cache, the loader thread asks `UrlAdapterS
 
 Every failure leaves nothing behind and raises an EngineError whose message names the URL's identity only.
 
-HTTP is httpcore's (the transport under httpx) with a network backend of our own: it connects to the address
-checked rather than resolving the name again, and a watchdog shuts the download's sockets at the deadline, so
-that a host trickling its headers or body is cut then, whatever it sends in between.
+The connection under every request (made to the checked address, shut at the deadline) is url_connection.py's;
+what a response's status and headers mean is url_responses.py's.
 """
 
 from __future__ import annotations
 
-import email.utils
 import hashlib
 import logging
 import ssl
@@ -39,8 +37,20 @@ from urllib.parse import urljoin
 from loraswap.server.engine.adapters.sources.adapter_file import AdapterFile
 from loraswap.server.engine.adapters.sources.download_cache import DownloadCache, UrlRecord
 from loraswap.server.engine.adapters.sources.safetensors_file import has_safetensors_header
+from loraswap.server.engine.adapters.sources.url_connection import (
+    CheckedAddressBackend,
+    connection_error,
+    has_ssl_cause,
+)
 from loraswap.server.engine.adapters.sources.url_names import UrlName, parse_url_name
 from loraswap.server.engine.adapters.sources.url_policy import UrlPolicy
+from loraswap.server.engine.adapters.sources.url_responses import (
+    check_encoding,
+    check_status,
+    content_length,
+    redirect_location,
+    validator,
+)
 from loraswap.server.engine.errors import (
     AdapterNameError,
     AdapterTooLargeError,
@@ -48,7 +58,6 @@ from loraswap.server.engine.errors import (
     ErrorReason,
     NotServingError,
     UrlFetchError,
-    UrlMissingError,
     UrlRefusedError,
     UrlUnavailableError,
 )
@@ -57,12 +66,6 @@ from loraswap.server.engine.observer import NO_OBSERVER, EngineObserver
 log = logging.getLogger(__name__)
 
 MAX_REDIRECTS = 5
-# A Retry-After beyond this is read as this: a client is told to come back within the hour at most.
-MAX_RETRY_AFTER_S = 3600.0
-REDIRECT_STATUSES = (301, 302, 303, 307, 308)
-# httpx logs every request's URL at INFO, query string and all; a presigned URL's signature must never be logged.
-for _chatty in ("httpx", "httpcore"):
-    logging.getLogger(_chatty).setLevel(logging.WARNING)
 
 
 @dataclass(frozen=True)
@@ -79,102 +82,6 @@ class DownloadProgress:
 
     done: int = 0
     total: int = 0
-
-
-def _retry_after_s(value: str | None) -> float | None:
-    """A Retry-After header (seconds or an HTTP date) in seconds from now, or None."""
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
-            return None
-    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
-
-
-def _has_ssl_cause(error: BaseException) -> bool:
-    seen = error
-    for _ in range(8):
-        if isinstance(seen, ssl.SSLError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-        if seen is None:
-            return False
-    return False
-
-
-class _CheckedAddressBackend:
-    """httpcore's socket backend, connecting to the address the policy checked (the URL's name still gives SNI, the
-    certificate's name and Host), and recording its sockets so that `abort` can shut them from another thread."""
-
-    def __init__(self) -> None:
-        import httpcore
-
-        self._inner = httpcore.SyncBackend()
-        self._lock = threading.Lock()
-        self._sockets: list = []
-        self.address = ""
-        self.aborted = False
-
-    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        stream = self._inner.connect_tcp(self.address, port, timeout, local_address, socket_options)
-        # A duplicate of the descriptor: TLS detaches the socket object it wraps, but shutting any descriptor of a
-        # connection ends it (a handshake or read under way fails at once).
-        handle = stream.get_extra_info("socket").dup()
-        with self._lock:
-            self._sockets.append(handle)
-            if self.aborted:
-                _shut(handle)
-        return stream
-
-    def connect_unix_socket(self, path, timeout=None, socket_options=None):  # pragma: no cover - never asked for
-        raise OSError("no unix sockets for adapter URLs")
-
-    def sleep(self, seconds: float) -> None:
-        self._inner.sleep(seconds)
-
-    def abort(self) -> None:
-        """Shut every connection of this download: a handshake or read under way fails at once."""
-        with self._lock:
-            self.aborted = True
-            for handle in self._sockets:
-                _shut(handle)
-
-    def close(self) -> None:
-        """Close the duplicates (the download is over; its connections are httpcore's to close)."""
-        with self._lock:
-            for handle in self._sockets:
-                handle.close()
-            self._sockets.clear()
-
-
-def _shut(sock) -> None:
-    import socket
-
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _validator(response, name: str) -> str | None:
-    """An ETag or Last-Modified to send back on revalidation: visible ASCII only (None for any other)."""
-    value = _header(response, name)
-    if value is None or not value or not all("\x20" <= character <= "\x7e" for character in value):
-        return None
-    return value
-
-
-def _header(response, name: str) -> str | None:
-    """A response header's value (httpcore gives raw byte pairs), or None."""
-    wanted = name.lower().encode()
-    for key, value in response.headers:
-        if key.lower() == wanted:
-            return value.decode("latin-1")
-    return None
 
 
 class UrlAdapterSource:
@@ -198,7 +105,7 @@ class UrlAdapterSource:
         self._ssl = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
         self._lock = threading.Lock()
         self._progress: dict[str, DownloadProgress] = {}
-        self._downloads: set[_CheckedAddressBackend] = set()
+        self._downloads: set[CheckedAddressBackend] = set()
         self._stopping = threading.Event()
 
     def close(self) -> None:
@@ -222,7 +129,7 @@ class UrlAdapterSource:
             self.observer.url_download(label, "disk", 0)
             return self._file(url, url.sha256, 0.0, 0)
         progress = DownloadProgress()
-        backend = _CheckedAddressBackend()
+        backend = CheckedAddressBackend()
         watchdog = threading.Timer(self.timeouts.deadline_s, backend.abort)
         watchdog.daemon = True
         with self._lock:
@@ -280,15 +187,9 @@ class UrlAdapterSource:
                     if self.cache.claim(record.sha256):
                         return record.sha256, 0, "not_modified"
                     continue
-                self._check_status(response, final)
-                encoding = (_header(response, "content-encoding") or "identity").strip().lower()
-                if encoding not in ("", "identity"):
-                    raise UrlFetchError(
-                        f"{final.origin}{final.path} sent the adapter with Content-Encoding {encoding[:20]!r}; the "
-                        "server asks for and accepts only the file's own bytes (no compression): serve it unencoded",
-                        reason=ErrorReason.URL_CONTENT_ENCODING_REFUSED,
-                    )
-                announced = _content_length(response)
+                check_status(response, final, self.policy)
+                check_encoding(response, final)
+                announced = content_length(response)
                 self._check_size(url, announced)
                 progress.total = announced or 0
                 with self.cache.room(announced or 0):
@@ -298,8 +199,8 @@ class UrlAdapterSource:
             identity=url.identity,
             sha256=sha256,
             bytes=progress.done,
-            etag=_validator(response, "etag"),
-            last_modified=_validator(response, "last-modified"),
+            etag=validator(response, "etag"),
+            last_modified=validator(response, "last-modified"),
             fetched_unix=time.time(),
         )
         try:
@@ -325,8 +226,8 @@ class UrlAdapterSource:
             if token is not None:
                 headers.append(("Authorization", f"Bearer {token}"))
             with self._send(current, headers, backend) as response:
-                location = _header(response, "location")
-                if response.status not in REDIRECT_STATUSES or not location:
+                location = redirect_location(response)
+                if location is None:
                     yield response, current
                     return
             if hop == MAX_REDIRECTS:
@@ -360,7 +261,7 @@ class UrlAdapterSource:
                 )
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as error:
                 opened.close()
-                fatal = _has_ssl_cause(error) or backend.aborted or index == len(addresses) - 1
+                fatal = has_ssl_cause(error) or backend.aborted or index == len(addresses) - 1
                 if fatal:
                     raise self._transport_error(error, current, backend) from None
                 continue  # the next address the name resolved to
@@ -377,49 +278,23 @@ class UrlAdapterSource:
                 yield response
             return
 
-    def _check_not_cut(self, url: UrlName, backend) -> None:
-        """Raise what cut the download short when it was the stop or the deadline, not the host."""
-        if self._stopping.is_set():
-            raise _stopping()
-        if backend.aborted:
-            raise _timed_out(url, self.timeouts.deadline_s)
-
-    def _transport_error(self, error: BaseException, current: UrlName, backend) -> EngineError:
-        import httpcore
-
-        shown = f"{current.origin}{current.path}"
+    def _cut_short(self, url: UrlName, backend) -> EngineError | None:
+        """What cut the download short when it was the stop or the deadline, not the host; None otherwise."""
         if self._stopping.is_set():
             return _stopping()
         if backend.aborted:
-            return _timed_out(current, self.timeouts.deadline_s)
-        if _has_ssl_cause(error) or isinstance(error, ssl.SSLError):
-            return UrlFetchError(
-                f"the TLS handshake with {current.origin} failed (its certificate is not trusted or not for that "
-                "name); the server verifies against the system's CAs or --url-ca-file",
-                reason=ErrorReason.URL_TLS_FAILED,
-            )
-        if isinstance(error, httpcore.TimeoutException):
-            return UrlUnavailableError(
-                f"{current.origin} did not answer within {self.timeouts.io_s:g} s (--url-timeout-seconds); retry "
-                "later, or check that the host is up",
-                reason=ErrorReason.URL_TIMED_OUT,
-            )
-        if isinstance(error, httpcore.ConnectError):
-            return UrlUnavailableError(
-                f"could not connect to {current.origin} for {shown} (refused or unreachable); retry later, or check "
-                "the host and port",
-                reason=ErrorReason.URL_CONNECT_FAILED,
-            )
-        if isinstance(error, httpcore.LocalProtocolError):
-            return UrlFetchError(
-                f"the request to {current.origin} could not be written (a header the server was given, such as its "
-                "--url-token-file token, is not valid HTTP)",
-                reason=ErrorReason.URL_HTTP_ERROR,
-            )
-        return UrlUnavailableError(
-            f"the connection to {current.origin} broke before it answered ({type(error).__name__}); retry later",
-            reason=ErrorReason.URL_CONNECT_FAILED,
-        )
+            return _timed_out(url, self.timeouts.deadline_s)
+        return None
+
+    def _check_not_cut(self, url: UrlName, backend) -> None:
+        """Raise what cut the download short when it was the stop or the deadline, not the host."""
+        cut = self._cut_short(url, backend)
+        if cut is not None:
+            raise cut
+
+    def _transport_error(self, error: BaseException, current: UrlName, backend) -> EngineError:
+        cut = self._cut_short(current, backend)
+        return cut if cut is not None else connection_error(error, current, self.timeouts.io_s)
 
     def _redirect_target(self, current: UrlName, link: str, location: str) -> UrlName:
         try:
@@ -438,52 +313,6 @@ class UrlAdapterSource:
             )
         self.policy.check(target, redirected_from=f"{current.origin}{current.path}")
         return target
-
-    def _check_status(self, response, final: UrlName) -> None:
-        status = response.status
-        if status == 200:
-            return
-        shown = f"{final.origin}{final.path}"
-        retry_after = _retry_after_s(_header(response, "retry-after"))
-        retry = {} if retry_after is None else {"retry_after_s": f"{retry_after:g}"}
-        if status in (401, 403):
-            has_token = self.policy.token_for(final.host) is not None
-            hint = (
-                "the server's token for this host (--url-token-file) was refused"
-                if has_token
-                else "give the server a token for this host (--url-token-file), or send a presigned link that has "
-                "not expired"
-            )
-            raise UrlFetchError(
-                f"{shown} answered HTTP {status}: {hint}", reason=ErrorReason.URL_ACCESS_DENIED, http_status=status
-            )
-        if status == 404:
-            raise UrlMissingError(
-                f"{shown} answered HTTP 404: no file there; check the URL", reason=ErrorReason.URL_NOT_FOUND
-            )
-        if status == 410:
-            raise UrlMissingError(
-                f"{shown} answered HTTP 410: the file was removed for good; use another URL",
-                reason=ErrorReason.URL_GONE,
-            )
-        if status == 429:
-            raise UrlUnavailableError(
-                f"{final.origin} answered HTTP 429 (too many requests); retry after a pause",
-                reason=ErrorReason.URL_RATE_LIMITED,
-                **retry,
-            )
-        if 500 <= status <= 599:
-            raise UrlUnavailableError(
-                f"{final.origin} answered HTTP {status} (a server error); retry later",
-                reason=ErrorReason.URL_SERVER_ERROR,
-                http_status=status,
-                **retry,
-            )
-        raise UrlFetchError(
-            f"{shown} answered HTTP {status}, not 200 with the file; check the URL",
-            reason=ErrorReason.URL_HTTP_ERROR,
-            http_status=status,
-        )
 
     def _check_size(self, url: UrlName, size: int | None, *, so_far: bool = False) -> None:
         limit = self.max_adapter_bytes
@@ -542,16 +371,6 @@ class UrlAdapterSource:
                 )
             self.cache.commit(partial, handle, sha256)
         return sha256
-
-
-def _content_length(response) -> int | None:
-    value = _header(response, "content-length")
-    if value is None or "chunked" in (_header(response, "transfer-encoding") or "").lower():
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        return None
 
 
 def _stopping() -> NotServingError:
