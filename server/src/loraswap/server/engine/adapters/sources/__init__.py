@@ -1,7 +1,8 @@
 """Sources: where an adapter's bytes come from, and whether to trust them.
 
-The adapter directory, the Hugging Face Hub, https URLs with their policy, their names and their disk cache, the
-safetensors reader that opens every untrusted file, and the base-model claims a file or its card makes.
+The adapter names' grammar, the adapter directory, the Hugging Face Hub, https URLs with their policy, their names,
+their connection and their disk cache, the safetensors reader that opens every untrusted file, and the base-model
+claims a file or its card makes.
 
 May import: the engine's leaves (errors, types, observer, scale limits) and loraswap.adapter_urls. Knows nothing of
 torch modules, of what a file's keys mean (formats/) or of the resident model (residency/). Other code uses the
@@ -11,14 +12,12 @@ names below, never a module inside.
 from __future__ import annotations
 
 from loraswap.server.engine.adapters.sources.adapter_file import AdapterFile
-from loraswap.server.engine.adapters.sources.adapter_sources import (
-    AdapterSources,
-    HubAdapterSource,
-    LocalAdapterDirectory,
+from loraswap.server.engine.adapters.sources.adapter_names import (
     check_name,
     parse_hub_ref,
     split_names,
 )
+from loraswap.server.engine.adapters.sources.adapter_sources import AdapterSources
 from loraswap.server.engine.adapters.sources.base_model import (
     FLUX_DEV,
     FLUX_SCHNELL,
@@ -37,6 +36,8 @@ from loraswap.server.engine.adapters.sources.base_model import (
 from loraswap.server.engine.adapters.sources.download_cache import (
     DownloadCache,
 )
+from loraswap.server.engine.adapters.sources.hub_source import HubAdapterSource
+from loraswap.server.engine.adapters.sources.local_directory import LocalAdapterDirectory
 from loraswap.server.engine.adapters.sources.safetensors_file import (
     LORA_ADAPTER_METADATA_KEY,
     read_adapter_file,
