@@ -35,6 +35,7 @@ ENGINE_LAYERS: tuple[frozenset[str], ...] = tuple(
         ("adapters",),  # reading, converting, caching and swapping adapters
         ("models",),  # the built-in models and model loading (which name bases as adapters/sources/base_model.py does)
         ("config",),  # EngineConfig: the settings and the checks their values alone decide
+        ("configured_sources", "served_adapters"),  # the sources the config names, the loader threads, the cache
         ("request_rules",),  # what a request may ask of the resident model
         ("pipeline",),  # the resident pipeline: pre-flight, start-up, runtime, warm-up
         ("scheduler",),  # the worker thread and its queue
