@@ -76,6 +76,11 @@ class DecodedImage:
         return replace(self.image, data=data, timings=timings)
 
 
+# What the encoder calls on its thread when an image's file is written, and when writing it failed.
+OnEncoded = Callable[[GeneratedImage], None]
+OnFailed = Callable[[Exception], None]
+
+
 class ImageEncoder:
     """Encodes decoded images on one thread of its own, in the order they come.
 
@@ -89,12 +94,7 @@ class ImageEncoder:
         self._lock = threading.Lock()
         self._pending = 0
 
-    def submit(
-        self,
-        decoded: DecodedImage,
-        on_encoded: Callable[[GeneratedImage], None],
-        on_failed: Callable[[Exception], None],
-    ) -> None:
+    def submit(self, decoded: DecodedImage, on_encoded: OnEncoded, on_failed: OnFailed) -> None:
         """Encode `decoded` after those submitted before it, then call on_encoded (or on_failed) on the encoder's
         thread."""
         self._slots.acquire()
@@ -116,12 +116,7 @@ class ImageEncoder:
         """Encode what was submitted, then end the thread."""
         self._pool.shutdown(wait=True)
 
-    def _encode(
-        self,
-        decoded: DecodedImage,
-        on_encoded: Callable[[GeneratedImage], None],
-        on_failed: Callable[[Exception], None],
-    ) -> None:
+    def _encode(self, decoded: DecodedImage, on_encoded: OnEncoded, on_failed: OnFailed) -> None:
         try:
             try:
                 image = decoded.encoded()
