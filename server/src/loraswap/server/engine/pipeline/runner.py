@@ -1,7 +1,7 @@
 """One pipeline call: the prompt encoded, the denoising steps streamed through a callback, the image decoded.
 
 Whatever is resident stays as it is: the runtime makes a stack resident first (runtime.py), the warm-up
-runs the base model at each rank bucket (startup.py). Always inside `session()`: under
+runs the base model at each rank bucket (warm_up.py). Always inside `session()`: under
 `torch.inference_mode()` (compiled graphs are specialised on the grad mode, so warming up and serving
 in the same mode keeps them valid) and the compiled convolutions' backend guard. The step callback never
 waits for the device: each step is read one step late (step_reads.py). Writing the image's file is the
