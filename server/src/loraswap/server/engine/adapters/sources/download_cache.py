@@ -6,9 +6,9 @@
 
 A download is written under partial/, checked, fsynced and renamed into sha256/ whole, so a file there is always
 complete. Under a byte budget (--adapter-cache-dir-bytes) the least recently used files go first to make room
-for a new download, never one claimed by a load (from its check to the end of its read); when even that leaves no room, or the disk
-itself is full, the download is refused (DISK_CACHE_FULL) and nothing of it stays. One server owns the folder:
-it empties partial/ at start-up, and what it reads is known to it alone.
+for a new download, never one claimed by a load (from its check to the end of its read); when even that leaves no
+room, or the disk itself is full, the download is refused (DISK_CACHE_FULL) and nothing of it stays. One server owns
+the folder: it empties partial/ at start-up, and what it reads is known to it alone.
 """
 
 from __future__ import annotations

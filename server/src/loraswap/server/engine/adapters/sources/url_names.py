@@ -9,9 +9,10 @@ else (the caches, Image.adapter, ListAdapters, errors, logs, metrics, traces) se
     scheme "://" host [":" port] path ["?" 12HEXDIG] ["#sha256=" 64HEXDIG]
 
 The query is left out, save for a digest of the parameters that are not signing or credential parameters
-(loraswap.adapter_urls.SIGNING_PARAMETERS; clients write the identity too, for the `lora` metadata): the links a store signs anew for each request name one identity, while a model site's
-`?format=SafeTensor&type=Model` stays apart from its `?format=PickleTensor`. An identity given as a name is its
-own identity (a bare 12-hex query is read as a digest already made), so ListAdapters' ids work in Evict.
+(loraswap.adapter_urls.SIGNING_PARAMETERS; clients write the identity too, for the `lora` metadata): the links a
+store signs anew for each request name one identity, while a model site's `?format=SafeTensor&type=Model` stays
+apart from its `?format=PickleTensor`. An identity given as a name is its own identity (a bare 12-hex query is read
+as a digest already made), so ListAdapters' ids work in Evict.
 """
 
 from __future__ import annotations
