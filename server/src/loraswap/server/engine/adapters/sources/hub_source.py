@@ -7,11 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loraswap.server.engine.adapters.sources.adapter_file import AdapterFile
-from loraswap.server.engine.adapters.sources.adapter_folder import (
-    MODEL_CARD_NAME,
-    check_file_size,
-    pick_weight_file,
-)
+from loraswap.server.engine.adapters.sources.adapter_folder import MODEL_CARD_NAME, check_file_size, pick_weight_file
 from loraswap.server.engine.adapters.sources.adapter_names import HubRef
 from loraswap.server.engine.errors import (
     AdapterFormatError,
