@@ -38,7 +38,7 @@ def rank_scale(alpha: float | None, rank: int) -> float:
     return 1.0 if alpha is None or alpha == 0 else alpha / rank
 
 
-def float32_on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def f32(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device` in float32 (the dtype every ΔW is formed in)."""
     return tensor.to(device=device, non_blocking=True).to(torch.float32)
 
@@ -75,20 +75,20 @@ class LowRank:
 
     def dense(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
         """ΔW in its own shape (`shape`, the layer's, only tells a conv's window where a kind stores it flat)."""
-        up = float32_on(self.up, device).reshape(self.up.shape[0], -1) * self.scale
-        down = float32_on(self.down, device).reshape(self.rank, -1)
+        up = f32(self.up, device).reshape(self.up.shape[0], -1) * self.scale
+        down = f32(self.down, device).reshape(self.rank, -1)
         if self.mid is None:
             return (up @ down).reshape(up.shape[0], *self.down.shape[1:])
-        return _tucker(float32_on(self.mid, device), up.transpose(0, 1), down)
+        return _tucker(f32(self.mid, device), up.transpose(0, 1), down)
 
     row_period = 1
 
     def dense_rows(self, device: torch.device, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Rows [start, stop) of ΔW, flattened to (rows, in * k) (`shape`, the layer's weight: see dense)."""
-        up = float32_on(self.up[start:stop], device).reshape(stop - start, -1) * self.scale
+        up = f32(self.up[start:stop], device).reshape(stop - start, -1) * self.scale
         if self.mid is None:
-            return up @ float32_on(self.down, device).reshape(self.rank, -1)
-        return _tucker(float32_on(self.mid, device), up.transpose(0, 1), float32_on(self.down, device).reshape(self.rank, -1)
+            return up @ f32(self.down, device).reshape(self.rank, -1)
+        return _tucker(f32(self.mid, device), up.transpose(0, 1), f32(self.down, device).reshape(self.rank, -1)
                        ).reshape(stop - start, -1)  # fmt: skip
 
 
@@ -120,13 +120,13 @@ class Hadamard:
         return tuple(t for t in (self.w1a, self.w1b, self.w2a, self.w2b, self.t1, self.t2) if t is not None)
 
     def dense(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
-        w1a, w1b, w2a, w2b = (float32_on(t, device) for t in (self.w1a, self.w1b, self.w2a, self.w2b))
+        w1a, w1b, w2a, w2b = (f32(t, device) for t in (self.w1a, self.w1b, self.w2a, self.w2b))
         if self.t1 is None:
             first = w1a.reshape(w1a.shape[0], -1) @ w1b.reshape(w1b.shape[0], -1)
             second = w2a.reshape(w2a.shape[0], -1) @ w2b.reshape(w2b.shape[0], -1)
         else:
-            first = torch.einsum("i j ..., j r, i p -> p r ...", float32_on(self.t1, device), w1b, w1a)
-            second = torch.einsum("i j ..., j r, i p -> p r ...", float32_on(self.t2, device), w2b, w2a)
+            first = torch.einsum("i j ..., j r, i p -> p r ...", f32(self.t1, device), w1b, w1a)
+            second = torch.einsum("i j ..., j r, i p -> p r ...", f32(self.t2, device), w2b, w2a)
         return first * second * self.scale
 
     row_period = 1
@@ -134,13 +134,13 @@ class Hadamard:
     def dense_rows(self, device: torch.device, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Rows [start, stop) of ΔW, flattened to (rows, in * k): the a factors' rows, the b factors whole."""
         if self.t1 is None:
-            first = float32_on(self.w1a[start:stop], device) @ float32_on(self.w1b, device).reshape(self.rank, -1)
-            second = float32_on(self.w2a[start:stop], device) @ float32_on(self.w2b, device).reshape(self.rank, -1)
+            first = f32(self.w1a[start:stop], device) @ f32(self.w1b, device).reshape(self.rank, -1)
+            second = f32(self.w2a[start:stop], device) @ f32(self.w2b, device).reshape(self.rank, -1)
         else:
-            first = torch.einsum("i j ..., j r, i p -> p r ...", float32_on(self.t1, device), float32_on(self.w1b, device),
-                                 float32_on(self.w1a[:, start:stop], device))  # fmt: skip
-            second = torch.einsum("i j ..., j r, i p -> p r ...", float32_on(self.t2, device), float32_on(self.w2b, device),
-                                  float32_on(self.w2a[:, start:stop], device))  # fmt: skip
+            first = torch.einsum("i j ..., j r, i p -> p r ...", f32(self.t1, device), f32(self.w1b, device),
+                                 f32(self.w1a[:, start:stop], device))  # fmt: skip
+            second = torch.einsum("i j ..., j r, i p -> p r ...", f32(self.t2, device), f32(self.w2b, device),
+                                  f32(self.w2a[:, start:stop], device))  # fmt: skip
         return first.mul_(second).reshape(stop - start, -1).mul_(self.scale)
 
 
@@ -176,17 +176,13 @@ class Kronecker:
         return tuple(tensor for tensor in parts if tensor is not None)
 
     def dense(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
-        w1 = (
-            float32_on(self.w1, device)
-            if self.w1 is not None
-            else float32_on(self.w1a, device) @ float32_on(self.w1b, device)
-        )
+        w1 = f32(self.w1, device) if self.w1 is not None else f32(self.w1a, device) @ f32(self.w1b, device)
         if self.w2 is not None:
-            w2 = float32_on(self.w2, device)
+            w2 = f32(self.w2, device)
         elif self.t2 is not None:
-            w2 = _tucker(float32_on(self.t2, device), float32_on(self.w2a, device), float32_on(self.w2b, device))
+            w2 = _tucker(f32(self.t2, device), f32(self.w2a, device), f32(self.w2b, device))
         else:
-            w2 = float32_on(self.w2a, device) @ float32_on(self.w2b, device)
+            w2 = f32(self.w2a, device) @ f32(self.w2b, device)
         if w2.dim() == 2 and len(shape) > 2:
             # A conv's w2b is stored flattened as (rank, d * k): the window comes back out of its second axis.
             w2 = w2.reshape(w2.shape[0], -1, *shape[2:])
@@ -205,11 +201,7 @@ class Kronecker:
         """Rows [start, stop) of ΔW (multiples of row_period; `shape`: the layer's weight), flattened to (rows,
         in * k): w1's rows start / period to stop / period, Kronecker with the whole w2."""
         period = self.row_period
-        w1 = (
-            float32_on(self.w1, device)
-            if self.w1 is not None
-            else float32_on(self.w1a, device) @ float32_on(self.w1b, device)
-        )
+        w1 = f32(self.w1, device) if self.w1 is not None else f32(self.w1a, device) @ f32(self.w1b, device)
         part = Kronecker(w1[start // period : stop // period], None, None, self.w2, self.w2a, self.w2b, self.t2,
                          self.scale)  # fmt: skip
         return part.dense(device, shape).reshape(stop - start, -1)
@@ -231,12 +223,12 @@ class Full:
         return (self.diff,)
 
     def dense(self, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
-        return float32_on(self.diff, device)
+        return f32(self.diff, device)
 
     row_period = 1
 
     def dense_rows(self, device: torch.device, start: int, stop: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return float32_on(self.diff[start:stop], device).reshape(stop - start, -1)
+        return f32(self.diff[start:stop], device).reshape(stop - start, -1)
 
 
 Rows = tuple[tuple[int, int], ...]  # [start, stop) ranges, taken in order

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraswap.server.engine.adapters.formats.change_kinds import Rows, WeightChange, change_rows, float32_on, take_rows
+from loraswap.server.engine.adapters.formats.change_kinds import Rows, WeightChange, change_rows, f32, take_rows
 
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -115,7 +115,7 @@ class LayerChange:
             block.add_(delta, alpha=strength)
             return
         weight = delta.add_(w0_rows)
-        magnitude = float32_on(self.dora_scale[start:stop], block.device).reshape(stop - start, 1)
+        magnitude = f32(self.dora_scale[start:stop], block.device).reshape(stop - start, 1)
         block.add_(weight.mul_(self._dora_factor(magnitude, weight.norm(dim=1, keepdim=True), strength))).sub_(w0_rows)
 
     def _dora_factor(self, magnitude: torch.Tensor, norm: torch.Tensor, strength: float) -> torch.Tensor:
@@ -132,7 +132,7 @@ class LayerChange:
             merged.add_(delta, alpha=strength)
             return
         weight = delta.add_(w0)  # W = W0 + ΔW, at strength 1
-        magnitude = float32_on(self.dora_scale, merged.device)
+        magnitude = f32(self.dora_scale, merged.device)
         if self.per_row_dora():
             norm = weight.reshape(weight.shape[0], -1).norm(dim=1)
             norm = norm.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
