@@ -10,13 +10,16 @@ below, never a module inside.
 
 from __future__ import annotations
 
+from loraswap.server.engine.adapters.formats.admission import (
+    SlotSpec,
+)
 from loraswap.server.engine.adapters.formats.canonical import (
+    load_canonical,
+)
+from loraswap.server.engine.adapters.formats.canonical_adapter import (
     CanonicalAdapter,
     CanonicalLayer,
-    SlotSpec,
     StackMember,
-    converter_said,
-    load_canonical,
 )
 from loraswap.server.engine.adapters.formats.change_effects import (
     effect_limit,
@@ -32,6 +35,9 @@ from loraswap.server.engine.adapters.formats.change_kinds import (
     Hadamard,
     Kronecker,
     LowRank,
+)
+from loraswap.server.engine.adapters.formats.diffusers_layout import (
+    converter_said,
 )
 from loraswap.server.engine.adapters.formats.key_layouts import (
     file_layers,

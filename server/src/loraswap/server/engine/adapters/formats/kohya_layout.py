@@ -1,0 +1,36 @@
+"""The kohya/LyCORIS-layout reader: a kohya-style file (sd-scripts and LyCORIS names), every kind.
+
+Its layer names (`<prefix>_<module path>` with the family's `kohya_prefixes`) are resolved against the model's own
+module paths (key_layouts.py; sgm SDXL and BFL Flux names by original_names.py) and its layers read kind by kind
+(lycoris_layers.py). The admission rules (admission.py) send plain LoRAs of slot layers to the slot; every other
+layer is a change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraswap.server.engine.adapters.formats.admission import ReadAdapter, SlotSpec, slot_layer, slot_lora
+from loraswap.server.engine.adapters.formats.key_layouts import file_layers
+from loraswap.server.engine.adapters.formats.lycoris_layers import read_layers
+from loraswap.server.engine.adapters.formats.original_names import original_layer
+from loraswap.server.engine.families import FAMILIES
+
+
+def read_kohya_layout(raw: dict[str, torch.Tensor], spec: SlotSpec) -> ReadAdapter:
+    """A kohya-style file (sd-scripts, LyCORIS), every kind, resolved against the model's own layers: plain LoRAs
+    of slot layers go to the slot, the rest are changes."""
+    layers = file_layers(
+        raw, FAMILIES[spec.family].kohya_prefixes, spec.model_layers,
+        lambda flat: original_layer(spec.family, flat, spec.denoiser_config),
+    )  # fmt: skip
+    read = ReadAdapter(layers={}, changes={})
+    for layer in read_layers(layers, spec.model_layers, pin_memory=spec.pin_memory):
+        if (low_rank := slot_lora(layer, spec)) is not None:
+            read.layers[layer.module] = slot_layer(
+                layer.module, low_rank.down, low_rank.up, low_rank.scale, spec,
+                (f"{layer.module} lora_down", f"{layer.module} lora_up"),
+            )  # fmt: skip
+        else:
+            read.changes[layer.component, layer.module] = layer.change
+    return read
