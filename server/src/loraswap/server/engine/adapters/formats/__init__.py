@@ -1,7 +1,8 @@
 """Formats: what an adapter file means, read from its bytes into weight changes.
 
-Key layouts (diffusers/PEFT, kohya, BFL and SGM names), LoraConfig scalings, every LyCORIS kind and the weight
-change each makes, how far each change moves its layer, and the canonical adapter every reader produces.
+Key layouts (diffusers/PEFT, kohya, BFL and SGM names) and a reader for each, LoraConfig scalings, every LyCORIS
+kind and the weight change each makes, what the swap slot admits and what only a fused swap applies, how far each
+change moves its layer, and the canonical adapter every reader's output becomes (load_canonical).
 
 May import: sources/ (files and their claims) and the engine's leaves. Knows no slot and no model weights beyond
 layer names and shapes (ModelLayers); writes nothing into the model (residency/ does). Other code uses the names
