@@ -1,12 +1,12 @@
 """The kinds of weight change adapters make, one record per kind, each formed exactly as its reference defines it.
 
-An adapter file stores a layer's change as factors; the dense change ΔW (the layer's weight shape) is formed
-from them only when a fused swap merges the layer (adapters/residency/fused.py), in float32 (on the CPU, a LoHa or LoKr that
-alone changes a layer straight in the weight's dtype: own_dtype_merges.py), and thrown away after: the cache keeps
-the factors, about the file's size. The references are the LyCORIS package's functional
-`diff_weight` (lycoris-lora 4.1.3: functional/locon.py, loha.py, lokr.py) and its network's forward for the
-strength and weight decomposition (modules/*.py `_rebuild_forward`), never its `merge_to`, which scales LoHa
-and LoKr by alpha/rank twice:
+An adapter file stores a layer's change as factors; the dense change ΔW (the layer's weight shape) is formed from
+them only when a fused swap merges the layer (adapters/residency/layer_writer.py), in float32 (on the CPU, a LoHa or
+LoKr that alone changes a layer straight in the weight's dtype: own_dtype_merges.py), and thrown away after: the
+cache keeps the factors, about the file's size. The references are the LyCORIS package's functional `diff_weight`
+(lycoris-lora 4.1.3: functional/locon.py, loha.py, lokr.py) and its network's forward for the strength and weight
+decomposition (modules/*.py `_rebuild_forward`), never its `merge_to`, which scales LoHa and LoKr by alpha/rank
+twice:
 
 - `LowRank` (LoRA, LoCon on linear and conv layers; `lora_mid`, a Tucker core): ΔW = γ · up · down, or with a
   core ΔW = γ · (mid ×₁ up ×₂ down); γ = alpha / rank.

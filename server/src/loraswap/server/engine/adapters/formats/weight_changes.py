@@ -6,7 +6,7 @@ magnitude of a weight-decomposed (DoRA) adapter. At strength s a layer then hold
 - with `dora_scale` m, as LyCORIS's forward computes it (modules/*.py `_rebuild_forward`): W = W0 + ΔW,
   W' = W · (s · (m / (‖W‖ + ε) − 1) + 1), the norm over each output row (or each input column, when m is shaped
   (1, in, ...)).
-A fused swap (adapters/residency/fused.py) merges it with `add_to`, or row block by row block with `add_rows`.
+A fused swap (adapters/residency/layer_writer.py) merges it with `add_to`, or row block by row block with `add_rows`.
 """
 
 from __future__ import annotations

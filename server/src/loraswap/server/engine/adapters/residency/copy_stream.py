@@ -1,6 +1,6 @@
 """Where the swap slot's copies run: on CUDA, a side stream that the denoising stream waits on.
 
-Cached adapters live in pinned host memory on CUDA (canonical.py), so their copies into the slot are
+Cached adapters live in pinned host memory on CUDA (formats/admission.py), so their copies into the slot are
 `non_blocking` DMA transfers. They run on a stream of their own: it first waits for the work already queued
 on the denoising (current) stream, which may still read the slot, and the denoising stream then waits for
 an event recorded after the copies, so no kernel queued after a swap sees a half-written slot. The host

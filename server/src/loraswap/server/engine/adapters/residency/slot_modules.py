@@ -4,7 +4,7 @@ Each slot layer's lora_A is a `RankGatedLinear`: its output passes through a boo
 entry per rank, so the ranks beyond the resident adapter's contribute exactly zero whatever the
 weights there hold. Why the gate is exact: `torch.where` yields 0 for a closed rank even if the stale
 projection overflowed, and lora_B then multiplies those zeros by stale values that are finite, because
-every value ever written into lora_B is (canonical.py checks each adapter's lora_B times the largest
+every value ever written into lora_B is (formats/tensor_checks.py checks each adapter's lora_B times the largest
 allowed strength against the model dtype's range).
 
 Rank buckets (rank_buckets.py): both factors compute with only their first `rank_bucket` ranks, views
