@@ -164,7 +164,7 @@ def test_the_engines_start_up_lines_become_phase_marks(capsys) -> None:
             # earlier test in this process may have filled while the level was WARNING.
             patch.setattr(logger, "level", logger.level)
             logger.setLevel(logging.INFO)
-            # As _PhaseClock logs a phase's end.
+            # As PhaseClock (pipeline/phase_clock.py) logs a phase's end.
             logger.info(
                 "start-up %s: %.2f s, %s", "quantize", 181.5, "fp8", extra={"phase": "quantize", "seconds": 181.5}
             )

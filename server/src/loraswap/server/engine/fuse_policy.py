@@ -1,8 +1,8 @@
 """--fuse: when a swap merges the adapters into the base weights instead of copying them into the slot.
 
 Unfused, a swap is a copy of the adapter's factors, but every denoising step pays the LoRA branch at the stack's
-rank bucket. Fused (adapters/residency/fused.py), a swap costs a merge (reading W0 and writing the touched weights, plus
-the factors' products), and every step then costs what the base model's does. So:
+rank bucket. Fused (adapters/residency/fused.py), a swap costs a merge (reading W0 and writing the touched
+weights, plus the factors' products), and every step then costs what the base model's does. So:
 
 - `never`: always the slot; adapters it cannot hold are refused.
 - `always`: every adapter is fused; only the base model's graph is compiled.

@@ -1,8 +1,8 @@
 """How strong an adapter may be applied. Plain values, no torch.
 
 A leaf: request validation (engine/request_rules.py) refuses strengths beyond the limit, and adapter
-conversion (engine/adapters/formats/canonical.py) refuses lora_B factors that would overflow the model's dtype
-at it; neither imports the other for it.
+conversion (engine/adapters/formats/tensor_checks.py) refuses lora_B factors that would overflow the model's
+dtype at it; neither imports the other for it.
 """
 
 from __future__ import annotations

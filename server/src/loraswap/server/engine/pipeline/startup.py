@@ -195,8 +195,8 @@ def install_slot(config: EngineConfig, loaded: LoadedModel) -> InstalledSlot:
 def _keep_pristine_weights(
     config: EngineConfig, loaded: LoadedModel, model_layers: ModelLayers, target_layers: list[str]
 ) -> PristineWeights:
-    """The pristine copies merges start from (adapters/residency/fused.py): the slot layers' base weights now when fusing,
-    any other layer's at the first merge that changes it, all within one budget.
+    """The pristine copies merges start from (adapters/residency/pristine_weights.py): the slot layers' base
+    weights now when fusing, any other layer's at the first merge that changes it, all within one budget.
 
     Raises:
         StartupError: the slot layers' copies do not fit in --fuse-memory-bytes (or, unset, in what the device has
