@@ -19,15 +19,19 @@ from loraswap.server.engine.adapters.sources.adapter_names import (
 )
 from loraswap.server.engine.adapters.sources.adapter_sources import AdapterSources
 from loraswap.server.engine.adapters.sources.base_model import (
+    FLUX2_DEV,
+    FLUX2_KLEIN_4B,
     FLUX_DEV,
     FLUX_SCHNELL,
     MAX_CARD_BASES,
     MAX_DECLARATION_CHARS,
+    QWEN_IMAGE,
     SDXL_BASE,
     SOURCE_BASE_MODEL,
     SOURCE_KOHYA,
     SOURCE_MODEL_CARD,
     SOURCE_MODELSPEC,
+    Z_IMAGE_TURBO,
     BaseModel,
     BaseModelPolicy,
     normalise,
@@ -62,16 +66,20 @@ from loraswap.server.engine.adapters.sources.url_policy import (
 )
 
 __all__ = [
+    "FLUX2_DEV",
+    "FLUX2_KLEIN_4B",
     "FLUX_DEV",
     "FLUX_SCHNELL",
     "LORA_ADAPTER_METADATA_KEY",
     "MAX_CARD_BASES",
     "MAX_DECLARATION_CHARS",
+    "QWEN_IMAGE",
     "SDXL_BASE",
     "SOURCE_BASE_MODEL",
     "SOURCE_KOHYA",
     "SOURCE_MODELSPEC",
     "SOURCE_MODEL_CARD",
+    "Z_IMAGE_TURBO",
     "AdapterFile",
     "AdapterSources",
     "BaseModel",

@@ -60,6 +60,10 @@ _METADATA_KEYS = {
 SDXL_BASE = "stabilityai/stable-diffusion-xl-base-1.0"
 FLUX_DEV = "black-forest-labs/FLUX.1-dev"
 FLUX_SCHNELL = "black-forest-labs/FLUX.1-schnell"
+QWEN_IMAGE = "Qwen/Qwen-Image"
+Z_IMAGE_TURBO = "Tongyi-MAI/Z-Image-Turbo"
+FLUX2_DEV = "black-forest-labs/FLUX.2-dev"
+FLUX2_KLEIN_4B = "black-forest-labs/FLUX.2-klein-4B"
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,21 @@ _KNOWN_BASES: tuple[_KnownBase, ...] = (
     _KnownBase(FLUX_DEV, "flux1", ("flux-1-dev",)),
     _KnownBase(FLUX_SCHNELL, "flux1", ("flux-1-schnell",)),
     _KnownBase("flux1", "flux1", ("flux-1",)),
+    # Qwen-Image's text-to-image releases share one transformer; the Edit models are trained on other inputs.
+    _KnownBase(QWEN_IMAGE, "qwen-image", ("qwen-image", "qwen_image")),
+    _KnownBase("Qwen/Qwen-Image-2512", "qwen-image"),
+    _KnownBase("Qwen/Qwen-Image-Edit", "qwen-image-edit", ("qwen-image-edit", "qwen_image_edit")),
+    _KnownBase("Qwen/Qwen-Image-Edit-2509", "qwen-image-edit"),
+    _KnownBase("Qwen/Qwen-Image-Edit-2511", "qwen-image-edit"),
+    # Turbo is distilled from Base with the same transformer: LoRAs trained on either are used on both.
+    _KnownBase(Z_IMAGE_TURBO, "z-image", ("z-image-turbo", "z_image_turbo")),
+    _KnownBase("Tongyi-MAI/Z-Image", "z-image", ("z-image", "z_image")),
+    # FLUX.2's sizes are different networks (widths 6144, 3072, 4096): a LoRA fits its own size only.
+    _KnownBase(FLUX2_DEV, "flux2-dev", ("flux-2-dev", "flux2-dev")),
+    _KnownBase(FLUX2_KLEIN_4B, "flux2-klein-4b", ("flux-2-klein-4b",)),
+    _KnownBase("black-forest-labs/FLUX.2-klein-base-4B", "flux2-klein-4b", ("flux-2-klein-base-4b",)),
+    _KnownBase("black-forest-labs/FLUX.2-klein-9B", "flux2-klein-9b", ("flux-2-klein-9b",)),
+    _KnownBase("black-forest-labs/FLUX.2-klein-base-9B", "flux2-klein-9b", ("flux-2-klein-base-9b",)),
     # Chroma is pruned from FLUX.1-schnell (no modulation layers): FLUX.1 LoRAs do not fit it.
     _KnownBase("lodestones/Chroma", "chroma", ("chroma",)),
     _KnownBase(
