@@ -94,7 +94,7 @@ def _captured_inputs(pipe, traits, size: int) -> tuple[tuple, dict]:
     handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
     defaults = generation_defaults("random", pipe)
     kwargs = dict(prompt="a lighthouse at dusk", num_inference_steps=1, width=size, height=size, output_type="latent")
-    kwargs.update(traits.pipeline_kwargs("", defaults))
+    kwargs.update(traits.pipeline_kwargs("", defaults.guidance_scale, defaults))
     if defaults.max_sequence_length is not None:
         kwargs["max_sequence_length"] = defaults.max_sequence_length
     try:

@@ -164,7 +164,7 @@ def test_the_measured_shape_is_the_one_the_denoiser_attends_at_by_default(monkey
         return dispatch(query, *args, **kwargs)
 
     monkeypatch.setattr(transformer_flux, "dispatch_attention_fn", recording)
-    arguments = loaded.defaults.to_dict() | loaded.traits.pipeline_kwargs("", loaded.defaults)
+    arguments = loaded.defaults.to_dict() | loaded.traits.pipeline_kwargs("", loaded.defaults.guidance_scale, loaded.defaults)
     loaded.pipe("a red circle", **arguments | {"num_inference_steps": 1}, output_type="latent")
     shape = attention_shape(loaded)
     assert seen == {(shape.batch, shape.tokens, shape.heads, shape.head_dim)}

@@ -30,7 +30,7 @@ ENGINE_LAYERS: tuple[frozenset[str], ...] = tuple(
     for layer in (
         # Plain values and vocabularies: option lists and limits, domain types, errors, the engine's seams, how a
         # setting is declared.
-        ("errors", "types", "observer", "interface", "families", "compile_options", "quantize_options",
+        ("errors", "types", "observer", "interface", "families", "family_traits", "compile_options", "quantize_options",
          "scale_limits", "fuse_policy", "rank_buckets", "quiet_imports", "setting_spec"),
         ("adapters",),  # reading, converting, caching and swapping adapters
         ("models",),  # the built-in models and model loading (which name bases as adapters/sources/base_model.py does)

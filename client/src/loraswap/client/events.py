@@ -296,12 +296,14 @@ def _family_name(family: int) -> str:
     except ValueError:
         # A family added to the contract after this client was built.
         return "unspecified"
-    return name.removeprefix("MODEL_FAMILY_").lower()
+    # The server's own spelling: MODEL_FAMILY_QWEN_IMAGE is "qwen-image".
+    return name.removeprefix("MODEL_FAMILY_").lower().replace("_", "-")
 
 
 @dataclass(frozen=True, slots=True)
 class ServerInfo:
-    """The resident model and its swap slot; ``family`` is "flux", "sdxl" or "unspecified"."""
+    """The resident model and its swap slot; ``family`` is "flux", "sdxl", "qwen-image", "z-image", "flux2" or
+    "unspecified"."""
 
     model: str
     family: str

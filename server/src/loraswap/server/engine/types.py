@@ -32,6 +32,9 @@ class ModelFamily(enum.Enum):
 
     FLUX = "flux"
     SDXL = "sdxl"
+    QWEN_IMAGE = "qwen-image"
+    Z_IMAGE = "z-image"
+    FLUX2 = "flux2"
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,13 @@ _FUSE_CHOICE_FROM_PB = {
     pb.FUSE_CHOICE_FUSED: FuseChoice.FUSED,
     pb.FUSE_CHOICE_UNFUSED: FuseChoice.UNFUSED,
 }
-_FAMILY_TO_PB = {ModelFamily.FLUX: pb.MODEL_FAMILY_FLUX, ModelFamily.SDXL: pb.MODEL_FAMILY_SDXL}
+_FAMILY_TO_PB = {
+    ModelFamily.FLUX: pb.MODEL_FAMILY_FLUX,
+    ModelFamily.SDXL: pb.MODEL_FAMILY_SDXL,
+    ModelFamily.QWEN_IMAGE: pb.MODEL_FAMILY_QWEN_IMAGE,
+    ModelFamily.Z_IMAGE: pb.MODEL_FAMILY_Z_IMAGE,
+    ModelFamily.FLUX2: pb.MODEL_FAMILY_FLUX2,
+}
 
 # The contract's bound on every message of a Generate stream: a quarter of the 4 MiB that every gRPC stack
 # (Go, Java, C++, Node, grpcurl, Python) accepts by default, so an image of any size reaches any client.

@@ -112,11 +112,11 @@ class PipelineRunner:
         defaults = self._loaded.defaults
         kwargs = dict(
             prompt=params.prompt, num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale, width=params.width, height=params.height, output_type="pil",
+            width=params.width, height=params.height, output_type="pil",
             # A CPU generator makes the initial noise, and so the image, the same on every device.
             generator=torch.Generator("cpu").manual_seed(params.seed),
         )  # fmt: skip
-        kwargs.update(self._loaded.traits.pipeline_kwargs(params.negative_prompt, defaults))
+        kwargs.update(self._loaded.traits.pipeline_kwargs(params.negative_prompt, params.guidance_scale, defaults))
         if defaults.max_sequence_length is not None:
             kwargs["max_sequence_length"] = defaults.max_sequence_length
         return kwargs

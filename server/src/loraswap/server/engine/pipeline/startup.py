@@ -144,7 +144,7 @@ def load(config: EngineConfig) -> LoadedModel:
         ),
         previewer=LatentPreviewer(
             latent_rgb(config.model, pipe),
-            pipe.vae.config.latent_channels,
+            traits.latent_channels(pipe),
             device,
             functools.partial(traits.spatial_latents, pipe),
         ),

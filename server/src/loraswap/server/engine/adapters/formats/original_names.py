@@ -186,7 +186,9 @@ def bfl_to_diffusers(flat: str) -> OriginalLayer | None:
 
 def original_layer(family: ModelFamily, flat: str, denoiser_config: Mapping) -> OriginalLayer | None:
     """The diffusers layers of a layer of the original model sd-scripts trains `family` on, named kohya's way ('.'
-    as '_'): sgm for SDXL, BFL for Flux; None when `flat` names none."""
+    as '_'): sgm for SDXL, BFL for Flux; None when `flat` names none (or the family has no such names)."""
     if family == ModelFamily.SDXL:
         return sgm_layer(flat, denoiser_config)
-    return bfl_to_diffusers(flat)
+    if family == ModelFamily.FLUX:
+        return bfl_to_diffusers(flat)
+    return None

@@ -1,0 +1,1 @@
+"""One module per served family, each declaring its FamilyTraits; engine/families.py is their table."""

@@ -1,0 +1,108 @@
+"""FamilyTraits: the facts and rules that depend on the resident pipeline's family, and their defaults.
+
+Each family's module (flux.py, sdxl.py, ...) declares one instance; engine/families.py is the table of them.
+Importing this module imports neither torch nor diffusers; the methods that need them import them when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
+
+# The guidance of a warm-up's guidance-on runs, when the model's default guidance is off.
+WARM_UP_GUIDANCE = 5.0
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """The facts and rules that depend on the resident pipeline's family."""
+
+    family: ModelFamily
+    # The diffusers pipeline classes (and their subclasses) of this family; the first writes its LoRA files.
+    pipeline_classes: tuple[str, ...]
+    denoiser_attribute: str  # the pipeline attribute holding the denoiser
+    adapter_prefix: str  # the component prefix of the denoiser's keys in a diffusers LoRA file
+    # Layers an adapter may change, as module-name suffixes; the union of what the common trainers
+    # (diffusers' dreambooth scripts, kohya, ai-toolkit) target on linear layers.
+    default_target_modules: tuple[str, ...]
+    # Whether the denoiser runs convolutions (whose CPU kernel choice can split compiled graphs).
+    convolutional_denoiser: bool
+    # The pipeline attributes of the text encoders, whose layers adapters may change too.
+    text_encoders: tuple[str, ...]
+    # kohya-style layer-name prefixes (sd-scripts, LyCORIS) this server reads itself -> the component they change
+    # (adapters/formats/key_layouts.py); files in other layouts go through diffusers' converters.
+    kohya_prefixes: Mapping[str, str]
+    # The published latent-to-RGB projection of the family's VAE latent space, for step previews
+    # (engine/pipeline/previews.py); a built-in model with a VAE of its own records its own (models/registry.py).
+    latent_rgb: LatentRgb
+
+    def denoiser(self, pipe):
+        """The pipeline's denoiser: the module adapters change."""
+        return getattr(pipe, self.denoiser_attribute)
+
+    def size_multiple(self, pipe) -> int:
+        """Width and height must be multiples of this."""
+        raise NotImplementedError
+
+    def min_size(self, pipe) -> int:
+        """Smallest width or height accepted.
+
+        Below it some dimension inside the denoiser is 1, which torch specialises, so each
+        such request would compile its own graph.
+        """
+        raise NotImplementedError
+
+    def upsample_period(self, pipe) -> int | None:
+        """Pixels per step of the size classes that need graphs of their own (see warm_up.warm_up_sizes); None: one class."""
+        return None
+
+    def published_defaults(self, pipe) -> ModelDefaults:
+        """The defaults the family's published checkpoints use, for a model folder that names none."""
+        raise NotImplementedError
+
+    def ignored_negative_prompt(self, defaults: ModelDefaults) -> str | None:
+        """Why a model with these defaults ignores negative prompts (the warning a request gets); None: it reads them."""
+        return None
+
+    def pipeline_kwargs(self, negative_prompt: str, guidance_scale: float, defaults: ModelDefaults) -> dict[str, Any]:
+        """The pipeline arguments, beyond those every family takes, that carry the guidance and the negative prompt."""
+        raise NotImplementedError
+
+    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
+        """The guidance settings (None: the default) a warm-up runs at each size so no later guidance compiles."""
+        return (None,)
+
+    def guidance_batch(self, guidance: float) -> int:
+        """How many images the denoiser computes per step at this guidance scale (classifier-free guidance: 2)."""
+        return 1
+
+    def latent_channels(self, pipe) -> int:
+        """The channels of the latents spatial_latents gives (the VAE's latent space)."""
+        return pipe.vae.config.latent_channels
+
+    def spatial_latents(self, pipe, latents, height: int, width: int):
+        """The pipeline's latents during denoising as (batch, channels, height / f, width / f) images."""
+        return latents
+
+    def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
+        """diffusers' own reading of a LoRA file for this family: (diffusers-format keys, alphas or None).
+
+        Runs diffusers' converters (kohya, A1111, ComfyUI, xlabs, ...); they raise on layouts they cannot read.
+        """
+        raise NotImplementedError
+
+    def save_lora_weights(self, directory: str | Path, state_dict: dict, metadata: dict) -> None:
+        """Write the denoiser's LoRA `state_dict` (PEFT keys) as diffusers' `save_lora_weights` does."""
+        import diffusers
+
+        getattr(diffusers, self.pipeline_classes[0]).save_lora_weights(
+            directory,
+            **{
+                f"{self.adapter_prefix}_lora_layers": state_dict,
+                f"{self.adapter_prefix}_lora_adapter_metadata": metadata,
+            },
+        )

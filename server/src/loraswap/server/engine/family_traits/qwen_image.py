@@ -1,0 +1,74 @@
+"""Qwen-Image (QwenImagePipeline, QwenImageTransformer2DModel): 2x2-packed latents, true CFG as its guidance.
+
+Qwen-Image embeds no guidance: its guidance is true classifier-free guidance (`true_cfg_scale`), two denoiser calls
+of batch 1 a step, which diffusers runs only when a negative prompt is given (an empty one counts). So a request's
+guidance_scale is the model's true_cfg_scale, and above 1 the negative prompt (the request's, "" when unset) is
+passed. Its LoRAs change attention, the MLPs and often the per-block modulation (`img_mod.1`, `txt_mod.1`), which
+ai-toolkit trains; diffusers reads transformer LoRAs only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, FamilyTraits
+from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
+
+
+class QwenImageTraits(FamilyTraits):
+    def size_multiple(self, pipe) -> int:
+        # The VAE's downscale factor times the transformer's 2x2 latent packing.
+        return pipe.vae_scale_factor * 2
+
+    def min_size(self, pipe) -> int:
+        return 2 * self.size_multiple(pipe)
+
+    def published_defaults(self, pipe) -> ModelDefaults:
+        return ModelDefaults(1024, 1024, 50, 4.0, 512)  # Qwen/Qwen-Image: 50 steps, true_cfg_scale 4
+
+    def pipeline_kwargs(self, negative_prompt: str, guidance_scale: float, defaults: ModelDefaults) -> dict[str, Any]:
+        if guidance_scale > 1.0:
+            return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
+        return {"true_cfg_scale": guidance_scale}
+
+    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
+        guidance_on = defaults.guidance_scale if defaults.guidance_scale > 1.0 else WARM_UP_GUIDANCE
+        return (guidance_on, 1.0)
+
+    def guidance_batch(self, guidance: float) -> int:
+        return 2 if guidance > 1.0 else 1
+
+    def latent_channels(self, pipe) -> int:
+        return pipe.vae.config.z_dim
+
+    def spatial_latents(self, pipe, latents, height: int, width: int):
+        # Packed 2x2 patches (batch, tokens, channels * 4), unpacked to the VAE's (batch, channels, frames=1, h, w).
+        return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)[:, :, 0]
+
+    def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
+        from diffusers import QwenImagePipeline
+
+        # Its converters fold each alpha into the factors: no alphas come back.
+        return QwenImagePipeline.lora_state_dict(state_dict), None
+
+
+# Qwen-Image's VAE (Wan 2.1's) has 16 latent channels; no published projection is carried yet: previews are grey.
+QWEN_IMAGE_LATENT_RGB = LatentRgb(factors=((1.0 / 16,) * 3,) * 16)
+
+QWEN_IMAGE = QwenImageTraits(
+    family=ModelFamily.QWEN_IMAGE,
+    pipeline_classes=("QwenImagePipeline",),
+    denoiser_attribute="transformer",
+    adapter_prefix="transformer",
+    default_target_modules=(
+        "to_q", "to_k", "to_v", "to_out.0",
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+        "img_mod.1", "txt_mod.1",
+    ),
+    convolutional_denoiser=False,
+    text_encoders=(),  # Qwen2.5-VL; diffusers' loader reads no text-encoder LoRA for this family
+    # musubi-tuner's and sd-scripts' `lora_unet_transformer_blocks_0_attn_to_q`, LyCORIS's diffusers names.
+    kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
+    latent_rgb=QWEN_IMAGE_LATENT_RGB,
+)  # fmt: skip

@@ -1,0 +1,60 @@
+"""Z-Image (ZImagePipeline, ZImageTransformer2DModel): spatial latents, classifier-free guidance above 0.
+
+Z-Image runs classifier-free guidance whenever guidance_scale > 0, as one denoiser call of batch 2 (Turbo is
+served at 0). Its latents are FLUX.1's VAE space, unpacked (the transformer patchifies inside). Its LoRAs change
+attention and the feed-forward layers; ComfyUI-style files fuse `attention.qkv`, which diffusers' converter splits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, FamilyTraits
+from loraswap.server.engine.family_traits.flux import FLUX_LATENT_RGB
+from loraswap.server.engine.types import ModelDefaults, ModelFamily
+
+
+class ZImageTraits(FamilyTraits):
+    def size_multiple(self, pipe) -> int:
+        # The VAE's downscale factor times the transformer's 2x2 patches (the pipeline raises on other sizes).
+        return pipe.vae_scale_factor * 2
+
+    def min_size(self, pipe) -> int:
+        return 2 * self.size_multiple(pipe)
+
+    def published_defaults(self, pipe) -> ModelDefaults:
+        return ModelDefaults(1024, 1024, 8, 0.0, 512)  # Tongyi-MAI/Z-Image-Turbo
+
+    def pipeline_kwargs(self, negative_prompt: str, guidance_scale: float, defaults: ModelDefaults) -> dict[str, Any]:
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
+
+    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
+        # Guidance > 0 runs as batch 2 and 0 as batch 1: each size needs both.
+        guidance_on = defaults.guidance_scale if defaults.guidance_scale > 0.0 else WARM_UP_GUIDANCE
+        return (guidance_on, 0.0)
+
+    def guidance_batch(self, guidance: float) -> int:
+        return 2 if guidance > 0.0 else 1  # ZImagePipeline's do_classifier_free_guidance
+
+    def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
+        from diffusers import ZImagePipeline
+
+        # Its converters fold each alpha into the factors: no alphas come back.
+        return ZImagePipeline.lora_state_dict(state_dict), None
+
+
+Z_IMAGE = ZImageTraits(
+    family=ModelFamily.Z_IMAGE,
+    pipeline_classes=("ZImagePipeline",),
+    denoiser_attribute="transformer",
+    adapter_prefix="transformer",
+    default_target_modules=(
+        "to_q", "to_k", "to_v", "to_out.0",
+        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+    ),
+    convolutional_denoiser=False,
+    text_encoders=(),  # Qwen3; diffusers' loader reads no text-encoder LoRA for this family
+    # musubi-tuner's and sd-scripts' `lora_unet_layers_0_attention_to_q`, LyCORIS's diffusers names.
+    kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
+    latent_rgb=FLUX_LATENT_RGB,
+)  # fmt: skip
