@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from loraswap.server.engine.pipeline.warm_up_shapes import warm_up_sizes
+from loraswap.server.engine.pipeline.warm_up_shapes import (
+    WARM_UP_LONG_PROMPT,
+    WARM_UP_PROMPT,
+    warm_up_requests,
+    warm_up_sizes,
+)
+from loraswap.server.engine.request_rules import RequestRules
+from loraswap.server.engine.types import ModelDefaults
 
 
 def _classes(sizes, period):
@@ -53,3 +60,17 @@ def _assert_dynamic_friendly(sizes, default, multiple, min_size, max_size):
         # Both sides change from the default (so both become dynamic), and stay apart from each other
         # (equal sides would share one symbol in dynamo's shape environment).
         assert width != default[0] and height != default[1] and width != height
+
+
+@pytest.mark.parametrize("text_length_varies", [False, True])
+def test_a_family_whose_text_follows_the_prompt_warms_up_two_prompt_lengths(text_length_varies):
+    # Qwen-Image and Z-Image: the text stream is as long as the prompt, so its length must be marked dynamic at
+    # warm-up, with the sizes; every request the warm-up sends must itself be valid.
+    rules = RequestRules(ModelDefaults(64, 64, 4, 4.0, 64), size_multiple=4, min_size=8, max_size=128)
+    requests = warm_up_requests(rules, None, (4.0, 1.0), text_length_varies)
+    assert requests[0].prompt == WARM_UP_PROMPT and len(requests) == 3
+    later = {request.prompt for request in requests[1:]}
+    assert later == ({WARM_UP_LONG_PROMPT} if text_length_varies else {WARM_UP_PROMPT})
+    for request in requests:
+        rules.resolve(request)
+    assert len(WARM_UP_LONG_PROMPT.split()) > 512  # past any max_sequence_length a model may have

@@ -39,6 +39,9 @@ class FamilyTraits:
     # The published latent-to-RGB projection of the family's VAE latent space, for step previews
     # (engine/pipeline/previews.py); a built-in model with a VAE of its own records its own (models/registry.py).
     latent_rgb: LatentRgb
+    # Whether the text stream's length follows the prompt (no padding to max_sequence_length): its graphs must then
+    # see two lengths at warm-up, so that the length is dynamic before any request comes (warm_up_shapes.py).
+    text_length_varies: bool = False
 
     def denoiser(self, pipe):
         """The pipeline's denoiser: the module adapters change."""

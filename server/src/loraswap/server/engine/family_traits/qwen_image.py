@@ -70,5 +70,6 @@ QWEN_IMAGE = QwenImageTraits(
     text_encoders=(),  # Qwen2.5-VL; diffusers' loader reads no text-encoder LoRA for this family
     # musubi-tuner's and sd-scripts' `lora_unet_transformer_blocks_0_attn_to_q`, LyCORIS's diffusers names.
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
+    text_length_varies=True,  # padded to the longest prompt of a call, not to max_sequence_length
     latent_rgb=QWEN_IMAGE_LATENT_RGB,
 )  # fmt: skip

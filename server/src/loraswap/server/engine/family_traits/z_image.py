@@ -56,5 +56,6 @@ Z_IMAGE = ZImageTraits(
     text_encoders=(),  # Qwen3; diffusers' loader reads no text-encoder LoRA for this family
     # musubi-tuner's and sd-scripts' `lora_unet_layers_0_attention_to_q`, LyCORIS's diffusers names.
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
+    text_length_varies=True,  # each prompt unpadded, the transformer pads it to a multiple of 32
     latent_rgb=FLUX_LATENT_RGB,
 )  # fmt: skip

@@ -43,7 +43,10 @@ def warm_up(
     runner = PipelineRunner(loaded, compiled)
     traits = loaded.traits
     requests = warm_up_requests(
-        loaded.request_rules, traits.upsample_period(loaded.pipe), traits.warm_up_guidance(loaded.defaults)
+        loaded.request_rules,
+        traits.upsample_period(loaded.pipe),
+        traits.warm_up_guidance(loaded.defaults),
+        traits.text_length_varies,
     )
     graphs = warm_up_graphs(config.fuse, config.fuses, slot.graph_buckets, auto_buckets(loaded, installed))
     buckets = warm_up_buckets(graphs, compiled.compiled)

@@ -14,6 +14,10 @@ from loraswap.server.engine.request_rules import RequestRules
 from loraswap.server.engine.types import GenerationRequest
 
 WARM_UP_PROMPT = "warm-up"
+# For families whose text stream is as long as the prompt: the requests beyond the first use this one, which
+# fills any max_sequence_length up to 512 tokens (and so crosses Z-Image's padding to multiples of 32), so the
+# text's length changes with the size and is marked dynamic with it.
+WARM_UP_LONG_PROMPT = " ".join(["a long warm-up prompt of many words"] * 80)
 WARM_UP_STEPS = 2
 
 
@@ -53,18 +57,23 @@ def warm_up_sizes(
 
 
 def warm_up_requests(
-    rules: RequestRules, upsample_period: int | None, guidances: tuple[float | None, ...]
+    rules: RequestRules,
+    upsample_period: int | None,
+    guidances: tuple[float | None, ...],
+    text_length_varies: bool = False,
 ) -> list[GenerationRequest]:
-    """The default-size request, then each of `warm_up_sizes` at each guidance (None: the model's default)."""
+    """The default-size request, then each of `warm_up_sizes` at each guidance (None: the model's default); with
+    `text_length_varies`, those later requests have a long prompt, so the text's length changes too."""
     defaults = rules.defaults
     sizes = warm_up_sizes(
         (defaults.width, defaults.height), rules.size_multiple, rules.min_size, rules.max_size, upsample_period
     )
     requests = [GenerationRequest(prompt=WARM_UP_PROMPT, seed=0, num_inference_steps=WARM_UP_STEPS)]
+    later_prompt = WARM_UP_LONG_PROMPT if text_length_varies else WARM_UP_PROMPT
     for width, height in sizes:
         requests += [
             GenerationRequest(
-                prompt=WARM_UP_PROMPT, seed=0, num_inference_steps=WARM_UP_STEPS, width=width, height=height,
+                prompt=later_prompt, seed=0, num_inference_steps=WARM_UP_STEPS, width=width, height=height,
                 guidance_scale=guidance,
             )
             for guidance in guidances
