@@ -182,3 +182,13 @@ def test_rules_need_no_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_scheduler_that_needs_two_steps_refuses_one_by_name():
+    # Qwen-Image's terminal-shift stretch divides by zero at one step: the request is refused, not run to NaN.
+    rules = dataclasses.replace(RULES, min_steps=2)
+    with pytest.raises(InvalidRequestError, match="num_inference_steps is 1; use 2 to ") as refused:
+        rules.resolve(GenerationRequest(prompt="a cat", num_inference_steps=1))
+    assert refused.value.metadata["field"] == "num_inference_steps"
+    assert rules.resolve(GenerationRequest(prompt="a cat", num_inference_steps=2)).num_inference_steps == 2
+    assert RULES.resolve(GenerationRequest(prompt="a cat", num_inference_steps=1)).num_inference_steps == 1

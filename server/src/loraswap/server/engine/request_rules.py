@@ -36,6 +36,8 @@ class RequestRules:
     # Why the model ignores negative prompts (the warning a request sending one gets); None: it reads them.
     ignored_negative_prompt: str | None = None
     max_stack: int = DEFAULT_MAX_STACK  # most entries `adapters` may have
+    # Fewest steps the model's scheduler can take (2 where one step divides by zero, as Qwen-Image's terminal shift).
+    min_steps: int = 1
 
     def resolve(self, request: GenerationRequest) -> GenerationParams:
         """Validate a request against this model and fill in its defaults.
@@ -49,10 +51,10 @@ class RequestRules:
             raise InvalidRequestError(f"prompts are limited to {MAX_PROMPT_CHARS} characters", field="prompt")
         defaults = self.defaults
         steps = defaults.num_inference_steps if request.num_inference_steps is None else request.num_inference_steps
-        if not 1 <= steps <= MAX_STEPS:
+        if not self.min_steps <= steps <= MAX_STEPS:
             raise InvalidRequestError(
-                f"num_inference_steps is {steps}; use 1 to {MAX_STEPS}, or leave it unset for the model's "
-                f"default ({defaults.num_inference_steps})",
+                f"num_inference_steps is {steps}; use {self.min_steps} to {MAX_STEPS}, or leave it unset for the "
+                f"model's default ({defaults.num_inference_steps})",
                 field="num_inference_steps",
             )
         guidance = defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale

@@ -59,6 +59,11 @@ class FamilyTraits:
         """
         raise NotImplementedError
 
+    def min_steps(self, pipe) -> int:
+        """Fewest denoising steps the pipeline's scheduler can take: 2 for a flow-matching schedule stretched to a
+        terminal shift (Qwen-Image's), whose stretch divides by zero at one step and gives non-finite latents."""
+        return 2 if getattr(pipe.scheduler.config, "shift_terminal", None) else 1
+
     def upsample_period(self, pipe) -> int | None:
         """Pixels per step of the size classes that need graphs of their own (see warm_up.warm_up_sizes); None: one class."""
         return None

@@ -58,13 +58,14 @@ def _counted(loaded: LoadedModel, base_layers: dict[str, torch.nn.Module], width
         counts[0] += 1
         counts[1] += inputs.numel() // inputs.shape[-1] * (module.in_features + module.out_features)
 
+    steps = loaded.request_rules.min_steps  # the fewest the scheduler takes; the counts are divided back to one
     params = loaded.request_rules.resolve(
-        GenerationRequest(prompt=COUNT_PROMPT, seed=0, num_inference_steps=1, width=width, height=height)
+        GenerationRequest(prompt=COUNT_PROMPT, seed=0, num_inference_steps=steps, width=width, height=height)
     )
     runner = PipelineRunner(loaded, CompiledDenoiser(kind="none", mode="default", attention_backend="", backend=None))
     with _hooked(base_layers.values(), count), runner.session():
         runner.run(params, on_step=lambda progress: None, is_cancelled=lambda: False)
-    return counts[0], counts[1]
+    return counts[0] // steps, counts[1] // steps
 
 
 @contextlib.contextmanager
