@@ -48,6 +48,7 @@ from loraswap.server.engine.adapters.formats.model_layers import (
 )
 from loraswap.server.engine.adapters.formats.original_names import (
     bfl_to_diffusers,
+    original_layer,
     sgm_to_diffusers,
 )
 from loraswap.server.engine.adapters.formats.weight_changes import (
@@ -73,6 +74,7 @@ __all__ = [
     "largest_fitting_strength",
     "layer_effect",
     "load_canonical",
+    "original_layer",
     "refuse_out_of_range",
     "refuse_strengths",
     "sgm_to_diffusers",

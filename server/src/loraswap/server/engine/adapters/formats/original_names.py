@@ -11,6 +11,15 @@ sd-scripts trains on the original models and names their layers, not diffusers':
   linear1 is to_q, to_k, to_v and proj_mlp): a change of such a layer is cut by rows, each layer's its own rows
   (their widths are the model's, not FLUX.1's constants). BFL's final modulation is (shift, scale) where diffusers'
   norm_out is (scale, shift): its two halves are swapped.
+- FLUX.2, BFL's model again (sd-scripts, musubi-tuner, ai-toolkit and ComfyUI name its layers): the same block
+  names, but `linear1` stays whole (diffusers fuses it too, as `attn.to_qkv_mlp_proj`), `linear2` is `attn.to_out`,
+  the MLPs are `ff.linear_in/out`, and the modulation is shared by all blocks of a stream
+  (`double_stream_modulation_img_lin`, `single_stream_modulation_lin`). `bfl2_to_diffusers` maps them as diffusers'
+  single-file converter loads FLUX.2 checkpoints.
+- Z-Image, its original model (ComfyUI's names): attention fuses `qkv` (to_q, to_k, to_v by rows) and calls its
+  output `out`; the embedder and the final layer are outside the per-patch-size dicts diffusers keeps them in
+  (`x_embedder` is `all_x_embedder.2-1` for 2x2 patches of one frame). `z_image_to_diffusers` maps them as diffusers'
+  single-file converter loads Z-Image checkpoints, the patch sizes from the model's config.
 """
 
 from __future__ import annotations
@@ -130,12 +139,16 @@ def sgm_layer(flat: str, config: Mapping) -> OriginalLayer | None:
 
 # -- BFL (original Flux) names ----------------------------------------------------------------------------
 
-# Inside double_blocks.N -> inside transformer_blocks.N, rows stacked in this order.
-_BFL_DOUBLE = {
+# Inside double_blocks.N -> inside transformer_blocks.N, rows stacked in this order: attention, the same in both
+# Flux generations.
+_BFL_ATTENTION = {
     "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
     "img_attn_proj": ("attn.to_out.0",),
     "txt_attn_proj": ("attn.to_add_out",),
+}
+_BFL_DOUBLE = {
+    **_BFL_ATTENTION,
     "img_mlp_0": ("ff.net.0.proj",),
     "img_mlp_2": ("ff.net.2",),
     "txt_mlp_0": ("ff_context.net.0.proj",),
@@ -160,6 +173,30 @@ _BFL_OUTSIDE = {
     "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
     "final_layer_linear": "proj_out",
 }
+# FLUX.2: no per-block modulation, SwiGLU MLPs, linear1 fused in diffusers too.
+_BFL2_DOUBLE = {
+    **_BFL_ATTENTION,
+    "img_mlp_0": ("ff.linear_in",),
+    "img_mlp_2": ("ff.linear_out",),
+    "txt_mlp_0": ("ff_context.linear_in",),
+    "txt_mlp_2": ("ff_context.linear_out",),
+}
+_BFL2_SINGLE = {
+    "linear1": ("attn.to_qkv_mlp_proj",),
+    "linear2": ("attn.to_out",),
+}
+_BFL2_OUTSIDE = {
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in_in_layer": "time_guidance_embed.timestep_embedder.linear_1",
+    "time_in_out_layer": "time_guidance_embed.timestep_embedder.linear_2",
+    "guidance_in_in_layer": "time_guidance_embed.guidance_embedder.linear_1",
+    "guidance_in_out_layer": "time_guidance_embed.guidance_embedder.linear_2",
+    "double_stream_modulation_img_lin": "double_stream_modulation_img.linear",
+    "double_stream_modulation_txt_lin": "double_stream_modulation_txt.linear",
+    "single_stream_modulation_lin": "single_stream_modulation.linear",
+    "final_layer_linear": "proj_out",
+}
 _BFL_SWAPPED = {"final_layer_adaLN_modulation_1": "norm_out.linear"}  # (shift, scale) -> (scale, shift)
 _BFL_BLOCK = re.compile(r"(double_blocks|single_blocks)_(\d+)_(.+)")
 
@@ -168,27 +205,67 @@ def _flat(*paths: str) -> tuple[str, ...]:
     return tuple(path.replace(".", "_") for path in paths)
 
 
-def bfl_to_diffusers(flat: str) -> OriginalLayer | None:
-    """The diffusers layers of a BFL-named Flux layer ('.' written '_'); None when it is not one."""
-    if flat in _BFL_OUTSIDE:
-        return OriginalLayer(_flat(_BFL_OUTSIDE[flat]))
+def _bfl_layer(
+    flat: str, outside: Mapping[str, str], double: Mapping[str, tuple[str, ...]], single: Mapping[str, tuple[str, ...]]
+) -> OriginalLayer | None:
+    """A BFL-named layer by one Flux generation's tables; None when it is not one."""
+    if flat in outside:
+        return OriginalLayer(_flat(outside[flat]))
     if flat in _BFL_SWAPPED:
         return OriginalLayer(_flat(_BFL_SWAPPED[flat]), swap_halves=True)
     match = _BFL_BLOCK.fullmatch(flat)
     if match is None:
         return None
     kind, index, rest = match.groups()
-    table, block = (_BFL_DOUBLE, "transformer_blocks") if kind == "double_blocks" else (
-        _BFL_SINGLE, "single_transformer_blocks")  # fmt: skip
+    table, block = (double, "transformer_blocks") if kind == "double_blocks" else (single, "single_transformer_blocks")
     targets = table.get(rest)
     return OriginalLayer(_flat(*(f"{block}.{index}.{target}" for target in targets))) if targets else None
 
 
+def bfl_to_diffusers(flat: str) -> OriginalLayer | None:
+    """The diffusers layers of a BFL-named Flux layer ('.' written '_'); None when it is not one."""
+    return _bfl_layer(flat, _BFL_OUTSIDE, _BFL_DOUBLE, _BFL_SINGLE)
+
+
+def bfl2_to_diffusers(flat: str) -> OriginalLayer | None:
+    """The diffusers layers of a BFL-named FLUX.2 layer ('.' written '_'); None when it is not one."""
+    return _bfl_layer(flat, _BFL2_OUTSIDE, _BFL2_DOUBLE, _BFL2_SINGLE)
+
+
+# -- Z-Image's original names ----------------------------------------------------------------------------------
+
+_Z_IMAGE_ATTENTION = re.compile(r"(layers|noise_refiner|context_refiner)_(\d+)_attention_(qkv|out)")
+_Z_IMAGE_OUTSIDE = {  # -> inside the per-patch-size dicts, named by the model's patch sizes
+    "x_embedder": "all_x_embedder.{patch}",
+    "final_layer_linear": "all_final_layer.{patch}.linear",
+    "final_layer_adaLN_modulation_1": "all_final_layer.{patch}.adaLN_modulation.1",
+}
+
+
+def z_image_to_diffusers(flat: str, config: Mapping) -> OriginalLayer | None:
+    """The diffusers layers of a Z-Image layer in its original names ('.' written '_'); None when it is not one."""
+    if flat in _Z_IMAGE_OUTSIDE:
+        # diffusers keys its per-patch-size layers "<patch>-<frame patch>"; the original model has the first pair's.
+        patch = f"{config['all_patch_size'][0]}-{config['all_f_patch_size'][0]}"
+        return OriginalLayer(_flat(_Z_IMAGE_OUTSIDE[flat].format(patch=patch)))
+    match = _Z_IMAGE_ATTENTION.fullmatch(flat)
+    if match is None:
+        return None
+    block, index, name = match.groups()
+    projections = ("to_q", "to_k", "to_v") if name == "qkv" else ("to_out.0",)
+    return OriginalLayer(_flat(*(f"{block}.{index}.attention.{projection}" for projection in projections)))
+
+
 def original_layer(family: ModelFamily, flat: str, denoiser_config: Mapping) -> OriginalLayer | None:
-    """The diffusers layers of a layer of the original model sd-scripts trains `family` on, named kohya's way ('.'
-    as '_'): sgm for SDXL, BFL for Flux; None when `flat` names none (or the family has no such names)."""
+    """The diffusers layers of a layer of the original model `family`'s files name, written kohya's way ('.' as
+    '_'): sgm for SDXL, BFL for Flux and FLUX.2, Z-Image's own; None when `flat` names none (or the family has no
+    such names: Qwen-Image's are diffusers')."""
     if family == ModelFamily.SDXL:
         return sgm_layer(flat, denoiser_config)
     if family == ModelFamily.FLUX:
         return bfl_to_diffusers(flat)
+    if family == ModelFamily.FLUX2:
+        return bfl2_to_diffusers(flat)
+    if family == ModelFamily.Z_IMAGE:
+        return z_image_to_diffusers(flat, denoiser_config)
     return None
