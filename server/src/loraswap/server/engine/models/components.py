@@ -42,8 +42,10 @@ __all__ = [
     "sdxl_base_scheduler",
     "sdxl_components",
     "seeded",
+    "seeded_pipeline",
     "t5_encoder_config",
     "tiny_vae",
+    "vae_levels",
 ]
 
 _SEED = 0
@@ -152,6 +154,22 @@ def private_rng() -> Iterator[None]:
         yield
 
 
+def vae_levels(block_out_channels: tuple[int, ...], sample_size: int) -> dict[str, Any]:
+    """The tiny image autoencoders' layout (AutoencoderKL's and FLUX.2's): RGB in and out, one level per entry
+    of `block_out_channels` (each level after the first halves the size), one layer a level, 4 norm groups."""
+    levels = len(block_out_channels)
+    return dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=block_out_channels,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=sample_size,
+    )
+
+
 def tiny_vae(
     *,
     latent_channels: int,
@@ -164,18 +182,10 @@ def tiny_vae(
 
     A `shift_factor` makes it Flux's kind (no quant convs); None makes it SDXL's (with them).
     """
-    levels = len(block_out_channels)
     return seeded(
         lambda: AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * levels,
-            up_block_types=("UpDecoderBlock2D",) * levels,
-            block_out_channels=block_out_channels,
-            layers_per_block=1,
+            **vae_levels(block_out_channels, sample_size),
             latent_channels=latent_channels,
-            norm_num_groups=4,
-            sample_size=sample_size,
             use_quant_conv=shift_factor is None,
             use_post_quant_conv=shift_factor is None,
             shift_factor=shift_factor,
@@ -225,4 +235,20 @@ def named_pipeline(name: str, pipeline_cls: type[DiffusionPipeline], components:
             module.config._name_or_path = name
         elif isinstance(module, ModelMixin):
             module.register_to_config(_name_or_path=name)
+    return pipe
+
+
+def seeded_pipeline(
+    name: str,
+    pipeline_cls: type[DiffusionPipeline],
+    components_fn: Callable[[], dict[str, Any]],
+    torch_dtype: torch.dtype,
+) -> DiffusionPipeline:
+    """The built-in `name`: `pipeline_cls` of `components_fn()` (built with :func:`seeded` parts inside
+    :func:`private_rng`), cast to `torch_dtype` after float32 initialisation, so every dtype has the same weights."""
+    with private_rng():
+        components = components_fn()
+    pipe = named_pipeline(name, pipeline_cls, components)
+    if torch_dtype != torch.float32:
+        pipe.to(dtype=torch_dtype)
     return pipe

@@ -7,10 +7,8 @@ here as dicts (copied from ``stabilityai/stable-diffusion-xl-base-1.0``
 ``unet/config.json`` and ``black-forest-labs/FLUX.1-dev``
 ``transformer/config.json``).
 
-Construction is fast: modules are built on the meta device, cast to the
-target dtype there, materialised with ``to_empty`` (on the GPU when there is
-one) and filled in place from a seeded generator (normal(0, 0.02) for matrices, 1 for norm scales, 0 for
-biases). The full SDXL UNet (2.6 B parameters) thus never exists in float32.
+Construction (meta device, cast, ``to_empty``, seeded fill: the full SDXL UNet's 2.6 B parameters never
+exist in float32) is random_weights.py's.
 
 The pipelines around the denoisers are *not* full size: text encoders, VAE
 and tokenizers are tiny random ones whose output widths match what the full
@@ -26,7 +24,6 @@ from typing import Any
 
 import torch
 from diffusers import (
-    DiffusionPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     ModelMixin,
@@ -34,12 +31,13 @@ from diffusers import (
     UNet2DConditionModel,
 )
 
-from loraswap.server.engine.models.components import (
-    flux_components,
-    named_pipeline,
-    private_rng,
-    sdxl_components,
-    tiny_vae,
+from loraswap.server.engine.models.components import flux_components, sdxl_components
+from loraswap.server.engine.models.random_weights import (
+    assemble_around,
+    depth_cut,
+    flux1_stand_in_vae,
+    random_denoiser,
+    sdxl_stand_in_vae,
 )
 
 __all__ = [
@@ -117,9 +115,6 @@ FLUX_TRANSFORMER_CONFIG: dict[str, Any] = {
 # (double-stream blocks, single-stream blocks) of FLUX.1 at full depth.
 FLUX_FULL_DEPTH = (19, 38)
 
-_SEED = 0
-_INIT_STD = 0.02
-
 
 def flux_depth(layers: int | None) -> tuple[int, int]:
     """(double-stream, single-stream) blocks for `layers` double-stream blocks; the 1:2 ratio of FLUX.1 is kept.
@@ -129,39 +124,8 @@ def flux_depth(layers: int | None) -> tuple[int, int]:
     """
     if layers is None:
         return FLUX_FULL_DEPTH
-    if not 1 <= layers <= FLUX_FULL_DEPTH[0]:
-        raise ValueError(
-            f"layers is {layers}; use 1 to {FLUX_FULL_DEPTH[0]} double-stream blocks, or None for full depth"
-        )
-    return layers, min(2 * layers, FLUX_FULL_DEPTH[1])
-
-
-@torch.no_grad()
-def _fill_random(module: torch.nn.Module, generator: torch.Generator) -> None:
-    """Initialise every parameter in place: norm scales 1, biases 0, everything else N(0, 0.02)."""
-    norms = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)
-    for submodule in module.modules():
-        is_norm = isinstance(submodule, norms) or type(submodule).__name__ == "RMSNorm"
-        for name, parameter in submodule.named_parameters(recurse=False):
-            if name == "bias":
-                parameter.zero_()
-            elif is_norm:
-                parameter.fill_(1.0)
-            else:
-                parameter.normal_(0.0, _INIT_STD, generator=generator)
-
-
-def _random_denoiser(name: str, cls: type[ModelMixin], config: dict[str, Any], torch_dtype: torch.dtype) -> ModelMixin:
-    with torch.device("meta"):
-        model = cls(**config)
-    # Cast while the weights are still meta (free), then allocate once in the target dtype. On a CUDA machine the
-    # weights are drawn on the GPU: seconds for FLUX.1's 12 B parameters instead of minutes on one CPU core (the
-    # values then differ from the CPU draw's, which matters to nobody: they are random either way).
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(dtype=torch_dtype).to_empty(device=device)
-    _fill_random(model, torch.Generator(device).manual_seed(_SEED))
-    model.register_to_config(_name_or_path=name)
-    return model.eval()
+    double = depth_cut(layers, FLUX_FULL_DEPTH[0], "double-stream blocks")
+    return double, min(2 * double, FLUX_FULL_DEPTH[1])
 
 
 def build_random_sdxl_unet(torch_dtype: torch.dtype = torch.bfloat16) -> UNet2DConditionModel:
@@ -169,7 +133,7 @@ def build_random_sdxl_unet(torch_dtype: torch.dtype = torch.bfloat16) -> UNet2DC
 
     bfloat16 keeps it at 5.1 GB. In eval mode, identical on every call; the caller's RNG state is untouched.
     """
-    return _random_denoiser("random-sdxl", UNet2DConditionModel, dict(SDXL_UNET_CONFIG), torch_dtype)
+    return random_denoiser("random-sdxl", UNet2DConditionModel, dict(SDXL_UNET_CONFIG), torch_dtype)
 
 
 def build_random_flux_transformer(
@@ -191,35 +155,18 @@ def build_random_flux_transformer(
     """
     config = dict(FLUX_TRANSFORMER_CONFIG)
     config["num_layers"], config["num_single_layers"] = flux_depth(layers)
-    return _random_denoiser("random-flux", FluxTransformer2DModel, config, torch_dtype)
-
-
-# The stand-in VAEs' levels: four give the real VAE's downscale factor of 8, with tiny widths.
-_VAE_LEVELS = dict(block_out_channels=(8, 8, 16, 16), sample_size=128)
+    return random_denoiser("random-flux", FluxTransformer2DModel, config, torch_dtype)
 
 
 def _sdxl_components(unet: ModelMixin) -> dict[str, Any]:
     # Widths the full UNet reads: hidden states 768 + 1280 = cross_attention_dim 2048;
     # pooled 1280 + 6 * 256 time ids = projection_class_embeddings_input_dim 2816.
-    vae = tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None, **_VAE_LEVELS)
-    return sdxl_components(unet, clip_widths=(768, 1280), vae=vae)
+    return sdxl_components(unet, clip_widths=(768, 1280), vae=sdxl_stand_in_vae())
 
 
 def _flux_components(transformer: ModelMixin) -> dict[str, Any]:
     # pooled_projection_dim 768; joint_attention_dim 4096.
-    vae = tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, **_VAE_LEVELS)
-    return flux_components(transformer, clip_width=768, t5_width=4096, vae=vae)
-
-
-def _assemble(
-    name: str, pipeline_cls: type[DiffusionPipeline], denoiser: ModelMixin, components_fn, torch_dtype: torch.dtype
-) -> DiffusionPipeline:
-    with private_rng():
-        components = components_fn(denoiser)
-    for module in components.values():
-        if isinstance(module, torch.nn.Module) and module is not denoiser:
-            module.to(dtype=torch_dtype)
-    return named_pipeline(name, pipeline_cls, components)
+    return flux_components(transformer, clip_width=768, t5_width=4096, vae=flux1_stand_in_vae())
 
 
 def build_random_sdxl_pipeline(torch_dtype: torch.dtype = torch.bfloat16) -> StableDiffusionXLPipeline:
@@ -230,7 +177,7 @@ def build_random_sdxl_pipeline(torch_dtype: torch.dtype = torch.bfloat16) -> Sta
     Height/width must be multiples of 8 (the VAE downscales by 8; the UNet pads odd latent sizes itself).
     """
     unet = build_random_sdxl_unet(torch_dtype)
-    return _assemble("random-sdxl", StableDiffusionXLPipeline, unet, _sdxl_components, torch_dtype)
+    return assemble_around("random-sdxl", StableDiffusionXLPipeline, unet, _sdxl_components, torch_dtype)
 
 
 def build_random_flux_pipeline(torch_dtype: torch.dtype = torch.bfloat16, layers: int | None = None) -> FluxPipeline:
@@ -243,4 +190,4 @@ def build_random_flux_pipeline(torch_dtype: torch.dtype = torch.bfloat16, layers
         ValueError: for `layers` out of range (see :func:`flux_depth`).
     """
     transformer = build_random_flux_transformer(torch_dtype, layers)
-    return _assemble("random-flux", FluxPipeline, transformer, _flux_components, torch_dtype)
+    return assemble_around("random-flux", FluxPipeline, transformer, _flux_components, torch_dtype)

@@ -11,12 +11,10 @@ LoRA loading and swapping need.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from diffusers import (
-    DiffusionPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     StableDiffusionXLPipeline,
@@ -27,10 +25,9 @@ from diffusers import (
 from loraswap.server.engine.models.components import (
     clip_text_config,
     flux_components,
-    named_pipeline,
-    private_rng,
     sdxl_components,
     seeded,
+    seeded_pipeline,
     t5_encoder_config,
     tiny_vae,
 )
@@ -99,20 +96,6 @@ def _tiny_sdxl_components() -> dict[str, Any]:
 # --------------------------------------------------------------------------- public API
 
 
-def _assemble(
-    name: str,
-    pipeline_cls: type[DiffusionPipeline],
-    components_fn: Callable[[], dict[str, Any]],
-    torch_dtype: torch.dtype,
-) -> DiffusionPipeline:
-    with private_rng():
-        components = components_fn()
-    pipe = named_pipeline(name, pipeline_cls, components)
-    if torch_dtype != torch.float32:
-        pipe.to(dtype=torch_dtype)
-    return pipe
-
-
 def build_tiny_flux_pipeline(torch_dtype: torch.dtype = torch.float32) -> FluxPipeline:
     """The `tiny-flux` model: a ``FluxPipeline`` on CPU with random but bit-identical weights on every call.
 
@@ -121,7 +104,7 @@ def build_tiny_flux_pipeline(torch_dtype: torch.dtype = torch.float32) -> FluxPi
     CPU RNG during a build would still change the weights. Height/width must
     be multiples of 4 (vae_scale_factor 2 times the 2x2 latent packing).
     """
-    return _assemble("tiny-flux", FluxPipeline, _tiny_flux_components, torch_dtype)
+    return seeded_pipeline("tiny-flux", FluxPipeline, _tiny_flux_components, torch_dtype)
 
 
 def build_tiny_sdxl_pipeline(torch_dtype: torch.dtype = torch.float32) -> StableDiffusionXLPipeline:
@@ -129,4 +112,4 @@ def build_tiny_sdxl_pipeline(torch_dtype: torch.dtype = torch.float32) -> Stable
 
     Height/width must be multiples of 2 (vae_scale_factor 2).
     """
-    return _assemble("tiny-sdxl", StableDiffusionXLPipeline, _tiny_sdxl_components, torch_dtype)
+    return seeded_pipeline("tiny-sdxl", StableDiffusionXLPipeline, _tiny_sdxl_components, torch_dtype)

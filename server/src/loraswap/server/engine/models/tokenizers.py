@@ -14,19 +14,17 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import CLIPTokenizer, T5TokenizerFast
 
-__all__ = ["CLIP_MAX_LENGTH", "build_clip_tokenizer", "build_t5_tokenizer"]
+__all__ = ["CLIP_MAX_LENGTH", "build_clip_tokenizer", "build_t5_tokenizer", "bytes_to_unicode"]
 
 CLIP_MAX_LENGTH = 77
 _BOS = "<|startoftext|>"
 _EOS = "<|endoftext|>"
 
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2/CLIP byte-to-printable-character table, in byte order."""
+def bytes_to_unicode() -> list[str]:
+    """GPT-2/CLIP byte-to-printable-character table, in byte order (also Qwen's and Mistral's byte-level BPE)."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     mapping: dict[int, int] = {b: b for b in printable}
     extra = 0
@@ -40,7 +38,7 @@ def _bytes_to_unicode() -> list[str]:
 def _clip_vocab() -> dict[str, int]:
     # Same layout as the real CLIP vocab (bytes, then bytes + "</w>", then the
     # specials) minus all merges, so every byte sequence is representable.
-    chars = _bytes_to_unicode()
+    chars = bytes_to_unicode()
     tokens = chars + [c + "</w>" for c in chars] + [_BOS, _EOS]
     return {tok: i for i, tok in enumerate(tokens)}
 
