@@ -64,13 +64,17 @@ def _assert_dynamic_friendly(sizes, default, multiple, min_size, max_size):
 
 @pytest.mark.parametrize("text_length_varies", [False, True])
 def test_a_family_whose_text_follows_the_prompt_warms_up_two_prompt_lengths(text_length_varies):
-    # Qwen-Image and Z-Image: the text stream is as long as the prompt, so its length must be marked dynamic at
-    # warm-up, with the sizes; every request the warm-up sends must itself be valid.
+    # Qwen-Image and Z-Image: the text stream is as long as the prompt, so its length must be dynamic in every graph
+    # the warm-up makes: both lengths at every size and guidance. Every request the warm-up sends must be valid.
     rules = RequestRules(ModelDefaults(64, 64, 4, 4.0, 64), size_multiple=4, min_size=8, max_size=128)
     requests = warm_up_requests(rules, None, (4.0, 1.0), text_length_varies)
-    assert requests[0].prompt == WARM_UP_PROMPT and len(requests) == 3
-    later = {request.prompt for request in requests[1:]}
-    assert later == ({WARM_UP_LONG_PROMPT} if text_length_varies else {WARM_UP_PROMPT})
+    assert requests[0].prompt == WARM_UP_PROMPT and requests[0].width is None
+    shapes = {(request.width, request.height, request.guidance_scale, request.prompt) for request in requests[1:]}
+    sizes = {(request.width, request.height) for request in requests[1:]}
+    prompts = {WARM_UP_LONG_PROMPT, WARM_UP_PROMPT} if text_length_varies else {WARM_UP_PROMPT}
+    assert ((64, 64) in sizes) == text_length_varies and len(sizes) == 1 + text_length_varies
+    assert shapes == {(*size, guidance, prompt) for size in sizes for guidance in (4.0, 1.0) for prompt in prompts}
+    assert len(requests) == 1 + len(shapes)
     for request in requests:
         rules.resolve(request)
     assert len(WARM_UP_LONG_PROMPT.split()) > 512  # past any max_sequence_length a model may have

@@ -63,20 +63,25 @@ def warm_up_requests(
     text_length_varies: bool = False,
 ) -> list[GenerationRequest]:
     """The default-size request, then each of `warm_up_sizes` at each guidance (None: the model's default); with
-    `text_length_varies`, those later requests have a long prompt, so the text's length changes too."""
+    `text_length_varies`, the default size too, each with a long and a short prompt, so the text's length is
+    dynamic in every graph."""
     defaults = rules.defaults
     sizes = warm_up_sizes(
         (defaults.width, defaults.height), rules.size_multiple, rules.min_size, rules.max_size, upsample_period
     )
     requests = [GenerationRequest(prompt=WARM_UP_PROMPT, seed=0, num_inference_steps=WARM_UP_STEPS)]
-    later_prompt = WARM_UP_LONG_PROMPT if text_length_varies else WARM_UP_PROMPT
-    for width, height in sizes:
+    # A text as long as its prompt: both lengths at every size and guidance, since a graph's guards may also split
+    # on the text's length (Z-Image pads text and image tokens to multiples of 32 only where they fall short).
+    prompts = (WARM_UP_LONG_PROMPT, WARM_UP_PROMPT) if text_length_varies else (WARM_UP_PROMPT,)
+    default_size = [(defaults.width, defaults.height)] if text_length_varies else []
+    for width, height in default_size + sizes:
         requests += [
             GenerationRequest(
-                prompt=later_prompt, seed=0, num_inference_steps=WARM_UP_STEPS, width=width, height=height,
+                prompt=prompt, seed=0, num_inference_steps=WARM_UP_STEPS, width=width, height=height,
                 guidance_scale=guidance,
             )
             for guidance in guidances
+            for prompt in prompts
         ]  # fmt: skip
     return requests
 
