@@ -2,8 +2,10 @@
 
 ``shapes`` (the default) is a tiny trained FLUX pipeline that draws simple shapes from
 text, shipped with demo adapters; ``tiny-flux`` and ``tiny-sdxl`` are random-weight
-pipelines with the real architectures, for tests; ``random-flux`` and ``random-sdxl``
-wrap the full-size denoisers with random weights, to measure swaps on real layer shapes.
+pipelines with the real architectures, for tests, as are ``tiny-qwen-image``,
+``tiny-z-image``, ``tiny-flux2`` (FLUX.2 [dev]) and ``tiny-flux2-klein``; ``random-flux``,
+``random-sdxl``, ``random-qwen-image``, ``random-z-image`` and ``random-flux2-klein`` wrap
+the full-size denoisers with random weights, to measure swaps on real layer shapes.
 Any other ``--model`` value is a diffusers folder or Hub id (loading.py).
 
 Importing this module imports neither torch nor diffusers (the command line lists the
@@ -19,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraswap.server.engine.adapters.sources import FLUX_DEV, SDXL_BASE
+from loraswap.server.engine.adapters.sources import (
+    FLUX2_DEV,
+    FLUX2_KLEIN_4B,
+    FLUX_DEV,
+    QWEN_IMAGE,
+    SDXL_BASE,
+    Z_IMAGE_TURBO,
+)
 from loraswap.server.engine.models.shapes import SHAPES_LATENT_RGB, SHAPES_MAX_SEQUENCE_LENGTH, shapes_adapter_dir
 from loraswap.server.engine.types import LatentRgb, ModelDefaults
 
@@ -134,6 +143,44 @@ def _random_sdxl(torch_dtype, layers):
     return build_random_sdxl_pipeline(torch_dtype)
 
 
+def _tiny_family(name: str, base_model: str, **guidance: Any) -> BuiltinModel:
+    """The model `name` of tiny_families.py: 64 px and 4 steps (a CPU test's size), with `guidance` (the
+    ModelDefaults fields that follow how the family is published to run)."""
+
+    def build(torch_dtype, layers):
+        from loraswap.server.engine.models.tiny_families import build_tiny_family_pipeline
+
+        return build_tiny_family_pipeline(name, torch_dtype)
+
+    defaults = ModelDefaults(width=64, height=64, num_inference_steps=4, **guidance)
+    return BuiltinModel(name=name, builder=build, defaults=defaults, base_model=base_model)
+
+
+def _random_family(name: str, base_model: str, **guidance: Any) -> BuiltinModel:
+    """The model `name` of random_families.py: full-size, so served as random-flux is (bf16, --layers, not exported)."""
+
+    def build(torch_dtype, layers):
+        from loraswap.server.engine.models.random_families import build_random_family_pipeline
+
+        return build_random_family_pipeline(name, torch_dtype, layers)
+
+    defaults = ModelDefaults(width=128, height=128, num_inference_steps=4, **guidance)
+    return BuiltinModel(
+        name=name, builder=build, defaults=defaults, base_model=base_model, dtype="bfloat16", takes_layers=True,
+        exportable=False,
+    )  # fmt: skip
+
+
+# How the newer families are published to run: Qwen-Image with true CFG (its guidance_scale serves
+# guidance-embedding models only: 1.0 stands for none), Z-Image-Turbo without guidance, FLUX.2 [dev] with
+# guidance embedded, klein-4B distilled (none). Sequence lengths are short as tiny-flux's; FLUX.2 [dev] always
+# prepends a 35-token system prompt, so 64 leaves it room for the prompt.
+_QWEN_IMAGE_GUIDANCE: dict[str, Any] = dict(guidance_scale=1.0, true_cfg_scale=4.0, max_sequence_length=32)
+_Z_IMAGE_TURBO_GUIDANCE: dict[str, Any] = dict(guidance_scale=0.0, max_sequence_length=32)
+_FLUX2_DEV_GUIDANCE: dict[str, Any] = dict(guidance_scale=4.0, max_sequence_length=64)
+_FLUX2_KLEIN_GUIDANCE: dict[str, Any] = dict(guidance_scale=1.0, max_sequence_length=32)
+
+
 BUILTINS: dict[str, BuiltinModel] = {
     model.name: model
     for model in (
@@ -188,6 +235,13 @@ BUILTINS: dict[str, BuiltinModel] = {
             dtype="bfloat16",
             exportable=False,
         ),
+        _tiny_family("tiny-qwen-image", QWEN_IMAGE, **_QWEN_IMAGE_GUIDANCE),
+        _tiny_family("tiny-z-image", Z_IMAGE_TURBO, **_Z_IMAGE_TURBO_GUIDANCE),
+        _tiny_family("tiny-flux2", FLUX2_DEV, **_FLUX2_DEV_GUIDANCE),
+        _tiny_family("tiny-flux2-klein", FLUX2_KLEIN_4B, **_FLUX2_KLEIN_GUIDANCE),
+        _random_family("random-qwen-image", QWEN_IMAGE, **_QWEN_IMAGE_GUIDANCE),
+        _random_family("random-z-image", Z_IMAGE_TURBO, **_Z_IMAGE_TURBO_GUIDANCE),
+        _random_family("random-flux2-klein", FLUX2_KLEIN_4B, **_FLUX2_KLEIN_GUIDANCE),
     )
 }  # fmt: skip
 
@@ -206,7 +260,8 @@ def builtin_model(name: str) -> BuiltinModel:
 
 def layers_refused(model: str) -> str:
     """The message for --layers given with a model that takes none."""
-    layered = " and ".join(name for name, builtin in BUILTINS.items() if builtin.takes_layers)
+    *others, last = [name for name, builtin in BUILTINS.items() if builtin.takes_layers]
+    layered = f"{', '.join(others)} and {last}" if others else last
     return f"--layers applies to {layered} only, not to {model!r}"
 
 
