@@ -1,8 +1,9 @@
 """Formats: what an adapter file means, read from its bytes into weight changes.
 
-Key layouts (diffusers/PEFT, kohya, BFL and SGM names) and a reader for each, LoraConfig scalings, every LyCORIS
-kind and the weight change each makes, what the swap slot admits and what only a fused swap applies, how far each
-change moves its layer, and the canonical adapter every reader's output becomes (load_canonical).
+Key layouts (diffusers/PEFT, kohya, ComfyUI, BFL, SGM and Z-Image's original names) and a reader for each,
+LoraConfig scalings, every LyCORIS kind and the weight change each makes, what the swap slot admits and what only a
+fused swap applies, how far each change moves its layer, and the canonical adapter every reader's output becomes
+(load_canonical).
 
 May import: sources/ (files and their claims) and the engine's leaves. Knows no slot and no model weights beyond
 layer names and shapes (ModelLayers); writes nothing into the model (residency/ does). Other code uses the names
@@ -37,6 +38,12 @@ from loraswap.server.engine.adapters.formats.change_kinds import (
     Kronecker,
     LowRank,
 )
+from loraswap.server.engine.adapters.formats.comfy_names import (
+    comfy_as_kohya,
+)
+from loraswap.server.engine.adapters.formats.diffusers_keys import (
+    normalised_keys,
+)
 from loraswap.server.engine.adapters.formats.diffusers_layout import (
     converter_said,
 )
@@ -67,6 +74,7 @@ __all__ = [
     "SlotSpec",
     "StackMember",
     "bfl_to_diffusers",
+    "comfy_as_kohya",
     "converter_said",
     "effect_limit",
     "file_layers",
@@ -74,6 +82,7 @@ __all__ = [
     "largest_fitting_strength",
     "layer_effect",
     "load_canonical",
+    "normalised_keys",
     "original_layer",
     "refuse_out_of_range",
     "refuse_strengths",

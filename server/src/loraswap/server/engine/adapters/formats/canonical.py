@@ -2,7 +2,8 @@
 
 The file itself is read by safetensors_file.py and its LoraConfig checked by lora_config.py, both as untrusted input.
 Each part of the file goes to its layout's reader: kohya-style names (sd-scripts and LyCORIS names with the family's
-`kohya_prefixes`) to kohya_layout.py, which reads every kind against the model's own module paths; every other
+`kohya_prefixes`; for the newer families also ComfyUI's and ai-toolkit's `diffusion_model.` names, which spell them:
+comfy_names.py) to kohya_layout.py, which reads every kind against the model's own module paths; every other
 layout to diffusers_layout.py, through diffusers' own converters, so such an adapter means exactly what diffusers
 makes of it. The server's settings then decide what is kept and what only a fused swap applies (admission.py), and
 how far the adapter moves each layer is measured and checked in range (change_effects.py).
@@ -20,6 +21,7 @@ from loraswap.server.engine.adapters.formats.change_effects import (
     refuse_out_of_range,
     slot_effect,
 )
+from loraswap.server.engine.adapters.formats.comfy_names import comfy_as_kohya
 from loraswap.server.engine.adapters.formats.diffusers_layout import read_other_layout
 from loraswap.server.engine.adapters.formats.key_layouts import kohya_style_keys, refuse_unsupported_kinds
 from loraswap.server.engine.adapters.formats.kohya_layout import read_kohya_layout
@@ -54,10 +56,11 @@ def load_canonical(
     raw, metadata = read_adapter_file(adapter_file)
     if not raw:
         raise AdapterFormatError(f"adapter {shorten(adapter_file.name)!r} holds no tensors")
+    raw, spellings = comfy_as_kohya(raw, spec.family)
     kohya_keys = kohya_style_keys(raw, FAMILIES[spec.family].kohya_prefixes)
     refuse_unsupported_kinds({key: raw[key] for key in kohya_keys})  # first: a kind's own tensors may be scalars
     check_tensors(raw)
-    read = read_kohya_layout({key: raw[key] for key in kohya_keys}, spec) if kohya_keys else None
+    read = read_kohya_layout({key: raw[key] for key in kohya_keys}, spec, spellings) if kohya_keys else None
     others = {key: value for key, value in raw.items() if key not in kohya_keys}
     if others:  # another layout
         read = read_other_layout(others, metadata, spec).joined(read)

@@ -1,11 +1,12 @@
 """The diffusers/PEFT-layout reader: a file in any layout diffusers' converters read, read as diffusers means it.
 
 Its keys go through diffusers' own `lora_state_dict` converters (A1111, ComfyUI, xlabs, ComfyUI-prefixed Flux, ...
-to diffusers keys), are split by component (the denoiser and the family's text encoders) and get the same alpha
-rules as `load_lora_adapter` (lora_config.py). The denoiser's slot layers become canonical layers by the admission
-rules (admission.py), with their DoRA magnitudes and lora_B biases when the server fuses; every other layer becomes
-a LoRA change, checked like any file layer (lycoris_layers.py). A file whose LyCORIS kinds are in a layout only
-this reader could try is told the kohya-style names they are read in (kohya_layout.py).
+to diffusers keys; for the newer families after the normalisations their converters miss, diffusers_keys.py), are
+split by component (the denoiser and the family's text encoders) and get the same alpha rules as
+`load_lora_adapter` (lora_config.py). The denoiser's slot layers become canonical layers by the admission rules
+(admission.py), with their DoRA magnitudes and lora_B biases when the server fuses; every other layer becomes a LoRA
+change, checked like any file layer (lycoris_layers.py). A file whose LyCORIS kinds are in a layout only this reader
+could try is told the kohya-style names they are read in (kohya_layout.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loraswap.server.engine.adapters.formats.admission import (
     slot_layer,
 )
 from loraswap.server.engine.adapters.formats.canonical_adapter import CanonicalLayer
+from loraswap.server.engine.adapters.formats.diffusers_keys import normalised_keys, refuse_nothing_converted
 from loraswap.server.engine.adapters.formats.key_layouts import FileLayer, holds_lycoris_kinds
 from loraswap.server.engine.adapters.formats.lora_config import layer_scalings
 from loraswap.server.engine.adapters.formats.lycoris_layers import read_layers
@@ -92,7 +94,11 @@ def _read_diffusers_layout(raw: dict[str, torch.Tensor], metadata: dict | None, 
 def _to_diffusers_keys(
     state_dict: dict[str, torch.Tensor], spec: SlotSpec
 ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-    """Run diffusers' format converters (kohya, A1111, xlabs, ...) for the family."""
+    """Run diffusers' format converters (kohya, A1111, xlabs, ...) for the family, on the keys diffusers_keys.py
+    normalises for the newer families."""
+    modules = spec.model_layers.shapes.get(spec.denoiser, {})
+    state_dict, file_alphas = normalised_keys(state_dict, spec.family, spec.denoiser, modules)
+    given = dict(state_dict)  # a converter may consume what it is given
     try:
         converted, alphas = FAMILIES[spec.family].lora_state_dict(state_dict, spec.denoiser_config)
     # The converters are pure functions of untrusted tensors and signal layouts they do not know in every way
@@ -101,7 +107,8 @@ def _to_diffusers_keys(
         raise AdapterFormatError(
             f"the adapter's keys are in no layout diffusers can read for {spec.family.value} ({converter_said(exc)})"
         ) from exc
-    return converted, alphas
+    refuse_nothing_converted(given, converted, spec.family)
+    return converted, alphas if file_alphas is None else {**file_alphas, **(alphas or {})}
 
 
 def converter_said(exc: Exception) -> str:

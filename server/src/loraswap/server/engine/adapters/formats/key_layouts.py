@@ -6,8 +6,9 @@ transformer_blocks_0_attn1_to_q.lora_up.weight`, `lora_te1_text_model_encoder_la
 The prefix names the component (the family's `kohya_prefixes`); the rest is resolved against the component's real
 module paths (model_layers.py), so underscores inside names (`to_q`, `conv_shortcut`) are never guessed at.
 
-Names of the original models sd-scripts trains on (sgm SDXL, BFL Flux) are resolved by original_names.py; a
-BFL layer that stacks several diffusers layers by rows (qkv) becomes one FileLayer with a part per layer.
+Names of the original models sd-scripts and others train on (sgm SDXL, BFL Flux and FLUX.2, Z-Image's) are resolved
+by original_names.py; an original layer that stacks several diffusers layers by rows (qkv) becomes one FileLayer
+with a part per layer.
 """
 
 from __future__ import annotations
@@ -156,11 +157,13 @@ def file_layers(
     prefixes: Mapping[str, str],
     model: ModelLayers,
     original_layer: Callable[[str], OriginalLayer | None] | None = None,
+    spellings: Mapping[str, str] | None = None,
 ) -> list[FileLayer]:
     """The file's layers with the model's component and module path of each.
 
     `original_layer`: the family's mapping of the original model's layer names (original_names.py), tried for a
-    name that is no module path of the model. The caller has refused unsupported kinds first
+    name that is no module path of the model. `spellings`: how the file spells layers that were renamed to their
+    kohya-style names (comfy_names.py), for messages. The caller has refused unsupported kinds first
     (refuse_unsupported_kinds). Raises ADAPTER_SHAPE_MISMATCH naming the first layers that name no layer of the
     model.
     """
@@ -171,14 +174,15 @@ def file_layers(
     layers, unresolved = [], []
     for layer, tensors in sorted(grouped.items()):
         component, flat = _component_of(layer, prefixes)
+        spelled = spellings.get(layer, layer) if spellings else layer
         module = model.by_flat_name(component, flat)
         if module is not None:
-            layers.append(FileLayer(component, module, layer, tensors))
+            layers.append(FileLayer(component, module, spelled, tensors))
             continue
         original = original_layer(flat) if original_layer is not None else None
-        resolved = _original_layer(component, layer, tensors, original, model) if original is not None else None
+        resolved = _original_layer(component, spelled, tensors, original, model) if original is not None else None
         if resolved is None:
-            unresolved.append(layer)
+            unresolved.append(spelled)
         else:
             layers.append(resolved)
     if unresolved:

@@ -1,12 +1,15 @@
 """The kohya/LyCORIS-layout reader: a kohya-style file (sd-scripts and LyCORIS names), every kind.
 
 Its layer names (`<prefix>_<module path>` with the family's `kohya_prefixes`) are resolved against the model's own
-module paths (key_layouts.py; sgm SDXL and BFL Flux names by original_names.py) and its layers read kind by kind
-(lycoris_layers.py). The admission rules (admission.py) send plain LoRAs of slot layers to the slot; every other
-layer is a change.
+module paths (key_layouts.py; sgm SDXL, BFL Flux and FLUX.2 and Z-Image's original names by original_names.py) and
+its layers read kind by kind (lycoris_layers.py). For the newer families, ComfyUI's and ai-toolkit's
+`diffusion_model.` files come here too, renamed to the kohya-style names they spell (comfy_names.py). The admission
+rules (admission.py) send plain LoRAs of slot layers to the slot; every other layer is a change.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -17,12 +20,15 @@ from loraswap.server.engine.adapters.formats.original_names import original_laye
 from loraswap.server.engine.families import FAMILIES
 
 
-def read_kohya_layout(raw: dict[str, torch.Tensor], spec: SlotSpec) -> ReadAdapter:
+def read_kohya_layout(
+    raw: dict[str, torch.Tensor], spec: SlotSpec, spellings: Mapping[str, str] | None = None
+) -> ReadAdapter:
     """A kohya-style file (sd-scripts, LyCORIS), every kind, resolved against the model's own layers: plain LoRAs
-    of slot layers go to the slot, the rest are changes."""
+    of slot layers go to the slot, the rest are changes. `spellings`: the file's own names of layers renamed to
+    kohya-style ones (comfy_names.py), for messages."""
     layers = file_layers(
         raw, FAMILIES[spec.family].kohya_prefixes, spec.model_layers,
-        lambda flat: original_layer(spec.family, flat, spec.denoiser_config),
+        lambda flat: original_layer(spec.family, flat, spec.denoiser_config), spellings,
     )  # fmt: skip
     read = ReadAdapter(layers={}, changes={})
     for layer in read_layers(layers, spec.model_layers, pin_memory=spec.pin_memory):

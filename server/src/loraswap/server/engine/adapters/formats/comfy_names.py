@@ -1,0 +1,84 @@
+"""ComfyUI's, ai-toolkit's and PEFT's names of a denoiser's own layers, read as the kohya-style names they spell.
+
+ComfyUI and ai-toolkit write a denoiser's layers as `diffusion_model.<module path>.<tensor>`, a PEFT-wrapped model's
+state dict as `base_model.model.<module path>.<tensor>`, with PEFT's factor names (`lora_A`, `lora_B`) or kohya's
+(`lora_down`, `lora_up`, `alpha`, the LyCORIS kinds' tensors); the module path is the model's own, in diffusers'
+names or the original model's (BFL FLUX.2's fused qkv, Z-Image's `attention.qkv`). Written `lora_unet_<path with
+'_' for '.'>` with kohya's factor names, such a file is a kohya-style one: for the newer families
+(diffusers_keys.py's NORMALISED_FAMILIES) it is read by kohya_layout.py, which resolves each name against the model's module paths and original names
+(original_names.py), cuts fused layers at the model's own widths and reads every kind and each layer's alpha.
+
+diffusers' converters for these families read only some of these files, and misread others without a word: FLUX.2's
+`diffusion_model.` names with `lora_down`/`lora_up` convert to nothing, with `alpha` tensors they raise, its final
+modulation keeps BFL's (shift, scale) order; Z-Image's fused `qkv` and `out` in `lora_A`/`lora_B` files come out
+as layers the model does not have. FLUX.1 and SDXL files in these prefixes go to diffusers' converters, as before.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from loraswap.server.engine.adapters.formats.diffusers_keys import NORMALISED_FAMILIES
+from loraswap.server.engine.adapters.formats.key_layouts import LAYER_TENSORS, UNSUPPORTED_KIND_TENSORS
+from loraswap.server.engine.errors import AdapterFormatError, shorten
+from loraswap.server.engine.families import FAMILIES
+from loraswap.server.engine.types import ModelFamily
+
+# The kohya prefix the renamed layers get: the families' prefix of their denoiser (family_traits/).
+KOHYA_PREFIX = "lora_unet"
+# What starts the denoiser's module paths: ComfyUI's and ai-toolkit's prefix, a PEFT-wrapped model's.
+MODEL_PREFIXES = ("diffusion_model.", "base_model.model.")
+# A tensor's name in these files -> its kohya name: PEFT's factors (with or without PEFT's adapter name), and the
+# names kohya and LyCORIS already use (IA³'s bare `weight` left out: it is also how a base weight is named).
+_TENSOR_NAMES = {
+    "lora_A.weight": "lora_down.weight",
+    "lora_B.weight": "lora_up.weight",
+    "lora_A.default.weight": "lora_down.weight",
+    "lora_B.default.weight": "lora_up.weight",
+    **{name: name for name in LAYER_TENSORS | UNSUPPORTED_KIND_TENSORS.keys() if name != "weight"},
+}
+_BY_LENGTH = sorted(_TENSOR_NAMES, key=len, reverse=True)  # the longest name a key ends in is its tensor's
+_KOHYA_LAYER = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _split(path_and_tensor: str) -> tuple[str, str] | None:
+    """(module path, kohya tensor name) of `<module path>.<tensor>`; None when the tensor's name is none known."""
+    for name in _BY_LENGTH:
+        if path_and_tensor.endswith("." + name):
+            return path_and_tensor[: -len(name) - 1], _TENSOR_NAMES[name]
+    return None
+
+
+def comfy_as_kohya(
+    state_dict: dict[str, torch.Tensor], family: ModelFamily
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The file with its model-prefixed keys renamed to kohya-style ones, and each renamed layer's name as the file
+    spells it (kohya layer -> file layer), for messages.
+
+    The file itself (no renamed layers) for a family not in NORMALISED_FAMILIES, and for a file with a model-prefixed
+    key of a tensor no kind has or a module path kohya cannot spell: such a file goes to diffusers' converters whole.
+    Raises ADAPTER_MALFORMED when a layer is in the file twice, under two layouts or spellings.
+    """
+    traits = FAMILIES[family]
+    ours = family in NORMALISED_FAMILIES and traits.kohya_prefixes.get(KOHYA_PREFIX) == traits.denoiser_attribute
+    prefixed = [key for key in state_dict if key.startswith(MODEL_PREFIXES)] if ours else []
+    if not prefixed:
+        return state_dict, {}
+    renamed: dict[str, tuple[str, str]] = {}  # file key -> (kohya key, file layer)
+    for key in prefixed:
+        prefix = next(prefix for prefix in MODEL_PREFIXES if key.startswith(prefix))
+        split = _split(key[len(prefix) :])
+        if split is None or not _KOHYA_LAYER.fullmatch(flat := split[0].replace(".", "_")):
+            return state_dict, {}
+        renamed[key] = (f"{KOHYA_PREFIX}_{flat}.{split[1]}", prefix + split[0])
+    result = {key: value for key, value in state_dict.items() if key not in renamed}
+    for key, (kohya_key, _) in renamed.items():
+        if kohya_key in result:
+            raise AdapterFormatError(
+                f"layer {shorten(kohya_key.partition('.')[0])} is in the file twice, under two naming layouts "
+                f"(one is {shorten(key)}); keep one",
+            )
+        result[kohya_key] = state_dict[key]
+    return result, {kohya_key.partition(".")[0]: layer for kohya_key, layer in renamed.values()}

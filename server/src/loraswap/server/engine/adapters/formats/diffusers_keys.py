@@ -1,0 +1,93 @@
+"""The diffusers-named keys of the newer families' files, made the keys diffusers' converters and loader read.
+
+diffusers reads a family's LoRA as `<component>.<module path>.lora_A.weight` (and `lora_B`), with the alphas a
+converter returns beside it. Qwen-Image, Z-Image and FLUX.2 files in diffusers' module names often differ from that
+in ways their converters miss, so they are normalised first (`normalised_keys`, diffusers_layout.py calls it once):
+- PEFT's adapter name in the factors' names (`….lora_A.default.weight`, from a PEFT model's state dict): the
+  Qwen-Image and Z-Image converters remove it but prefix keys already prefixed (`transformer.transformer.…`), and
+  FLUX.2's keeps it; it is removed here.
+- no component prefix (`transformer_blocks.0.attn.to_q.lora_A.weight`, what PEFT's get_peft_model_state_dict
+  gives): diffusers' loader drops such keys unseen; a key whose first name is a child of the denoiser gets the
+  denoiser's prefix.
+- kohya's names beside diffusers' module paths: `alpha` tensors (`transformer.….alpha`), which the Qwen-Image and
+  Z-Image converters double the prefix of and FLUX.2's leaves as tensors no LoRA has, become the file's alphas,
+  which PEFT's config gets as FLUX.1's do (lora_config.py: a layer without one gets the file's most common alpha);
+  `lora_down`/`lora_up` factors (which FLUX.2's kohya converter drops) are `lora_A`/`lora_B`.
+A converter that makes nothing of a non-empty file (FLUX.2's kohya converter, given names it does not know) is
+refused, saying which layouts are read (`refuse_nothing_converted`): never an adapter that changes nothing.
+FLUX.1's and SDXL's files reach their converters untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
+from loraswap.server.engine.types import ModelFamily
+
+# The families whose files are normalised before their diffusers converters, and whose ComfyUI-style files are read
+# as kohya-style ones (comfy_names.py).
+NORMALISED_FAMILIES = frozenset({ModelFamily.QWEN_IMAGE, ModelFamily.Z_IMAGE, ModelFamily.FLUX2})
+# PEFT's adapter name after a LoRA tensor's own name: `.lora_A.default.weight` is `.lora_A.weight`.
+_PEFT_ADAPTER_NAME = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.default(?=\.|$)")
+_KOHYA_FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
+
+
+def normalised_keys(
+    state_dict: dict[str, torch.Tensor], family: ModelFamily, denoiser: str, denoiser_modules: Mapping[str, object]
+) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    """(the state dict in the keys diffusers reads, the alphas taken out of it or None), for a NORMALISED_FAMILIES
+    family; any other family's state dict itself (the very dict its converter always got), and None.
+
+    `denoiser_modules`: the denoiser's module paths (its children are what an unprefixed key may start with).
+    Raises ADAPTER_MALFORMED when two keys name the same tensor, ADAPTER_SHAPE_MISMATCH for an alpha of more than one
+    value.
+    """
+    if family not in NORMALISED_FAMILIES:
+        return state_dict, None
+    children = {module.partition(".")[0] for module in denoiser_modules}
+    keys: dict[str, torch.Tensor] = {}
+    alphas: dict[str, float] = {}
+    for key, value in state_dict.items():
+        name = _PEFT_ADAPTER_NAME.sub(r".\1", key)
+        if name.partition(".")[0] in children:
+            name = f"{denoiser}.{name}"
+        if name.startswith(denoiser + ".") and name.endswith(tuple(_KOHYA_FACTORS)):
+            kohya = next(suffix for suffix in _KOHYA_FACTORS if name.endswith(suffix))
+            name = name.removesuffix(kohya) + _KOHYA_FACTORS[kohya]
+        if name in keys or name in alphas:
+            raise AdapterFormatError(f"tensor {shorten(name)} is in the file twice, under two spellings; keep one")
+        if name.startswith(denoiser + ".") and name.endswith(".alpha"):
+            alphas[name] = _alpha(key, value)
+        else:
+            keys[name] = value
+    return keys, alphas or None
+
+
+def _alpha(key: str, value: torch.Tensor) -> float:
+    if value.numel() != 1:
+        raise AdapterFormatError(
+            f"tensor {shorten(key)} has shape {tuple(value.shape)}; alpha is one number",
+            reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
+        )
+    return float(value.reshape(()).to(torch.float64))
+
+
+def refuse_nothing_converted(
+    state_dict: Mapping[str, torch.Tensor], converted: Mapping[str, torch.Tensor], family: ModelFamily
+) -> None:
+    """Refuse, saying which layouts are read, a file of a NORMALISED_FAMILIES family of which diffusers' converter
+    made nothing (`state_dict`: what it was given, `converted`: what it returned)."""
+    if family not in NORMALISED_FAMILIES or converted or not state_dict:
+        return
+    raise AdapterFormatError(
+        f"diffusers' {family.value} converter read none of the adapter's {len(state_dict)} tensors "
+        f"(e.g. {shorten(min(state_dict), 120)}); {family.value} adapters are read in diffusers' names "
+        "(`transformer.<module path>.lora_A.weight`), kohya's (`lora_unet_<module path, '_' for '.'>.lora_down.weight` "
+        "and `.alpha`, diffusers' module paths or the original model's) and ComfyUI's or ai-toolkit's "
+        "(`diffusion_model.<module path>.lora_A.weight` or `.lora_down.weight`): rename the keys to one of these",
+        reason=ErrorReason.ADAPTER_MALFORMED,
+    )
