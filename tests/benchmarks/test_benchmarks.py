@@ -242,10 +242,10 @@ def _tiny_sdxl_attention_shapes() -> list[tuple[int, int]]:
 @pytest.mark.parametrize(
     ("name", "layers", "message"),
     [
-        ("random-sdxl", 2, "--layers applies to random-flux only"),
+        ("random-sdxl", 2, "--layers applies to random-flux, random-qwen-image, random-z-image and random-flux2-klein only"),
         ("random-flux", 0, "use 1 to 19"),
         ("random-flux", 20, "use 1 to 19"),
-        ("tiny-flux", 2, "--layers applies to random-flux only"),
+        ("tiny-flux", 2, "--layers applies to random-flux, random-qwen-image, random-z-image and random-flux2-klein only"),
         ("random-sd15", None, "unknown builtin model"),
     ],
 )

@@ -34,8 +34,7 @@ RANDOM = tuple(name for name in PIPELINE_CLASSES if name.startswith("random-"))
 # name: (generation defaults as written to loraswap_generation.json, base model)
 EXPECTED_DEFAULTS = {
     "tiny-qwen-image": (
-        {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "max_sequence_length": 32,
-         "true_cfg_scale": 4.0},
+        {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 4.0, "max_sequence_length": 32},
         QWEN_IMAGE,
     ),
     "tiny-z-image": (
@@ -51,8 +50,7 @@ EXPECTED_DEFAULTS = {
         FLUX2_KLEIN_4B,
     ),
     "random-qwen-image": (
-        {"width": 128, "height": 128, "num_inference_steps": 4, "guidance_scale": 1.0, "max_sequence_length": 32,
-         "true_cfg_scale": 4.0},
+        {"width": 128, "height": 128, "num_inference_steps": 4, "guidance_scale": 4.0, "max_sequence_length": 32},
         QWEN_IMAGE,
     ),
     "random-z-image": (

@@ -47,7 +47,37 @@ EXPECTED = {
         {"width": 128, "height": 128, "num_inference_steps": 4, "guidance_scale": 5.0},
         "bfloat16", False, False, False,
     ),
+    "tiny-qwen-image": (
+        {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 4.0, "max_sequence_length": 32},
+        None, False, False, True,
+    ),
+    "tiny-z-image": (
+        {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 0.0, "max_sequence_length": 32},
+        None, False, False, True,
+    ),
+    "tiny-flux2": (
+        {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 4.0, "max_sequence_length": 64},
+        None, False, False, True,
+    ),
+    "tiny-flux2-klein": (
+        {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 1.0, "max_sequence_length": 32},
+        None, False, False, True,
+    ),
+    "random-qwen-image": (
+        {"width": 128, "height": 128, "num_inference_steps": 4, "guidance_scale": 4.0, "max_sequence_length": 32},
+        "bfloat16", False, True, False,
+    ),
+    "random-z-image": (
+        {"width": 128, "height": 128, "num_inference_steps": 4, "guidance_scale": 0.0, "max_sequence_length": 32},
+        "bfloat16", False, True, False,
+    ),
+    "random-flux2-klein": (
+        {"width": 128, "height": 128, "num_inference_steps": 4, "guidance_scale": 1.0, "max_sequence_length": 32},
+        "bfloat16", False, True, False,
+    ),
 }  # fmt: skip
+# What --layers applies to, as its refusal names them.
+LAYERED = "random-flux, random-qwen-image, random-z-image and random-flux2-klein"
 
 
 def test_the_registry_lists_every_builtin_with_shapes_first():
@@ -77,7 +107,9 @@ def test_unknown_name_lists_the_builtins():
     with pytest.raises(ValueError) as caught:
         builtin_model("tiny-sd15")
     assert str(caught.value) == (
-        "unknown builtin model 'tiny-sd15'; valid choices: shapes, tiny-flux, tiny-sdxl, random-flux, random-sdxl"
+        "unknown builtin model 'tiny-sd15'; valid choices: shapes, tiny-flux, tiny-sdxl, random-flux, random-sdxl, "
+        "tiny-qwen-image, tiny-z-image, tiny-flux2, tiny-flux2-klein, random-qwen-image, random-z-image, "
+        "random-flux2-klein"
     )
 
 
@@ -85,11 +117,11 @@ def test_unknown_name_lists_the_builtins():
 def test_layers_are_refused_where_they_do_not_apply(name):
     with pytest.raises(ValueError) as caught:
         load_pipeline(name, None, layers=2)
-    assert str(caught.value) == f"--layers applies to random-flux only, not to {name!r}"
+    assert str(caught.value) == f"--layers applies to {LAYERED} only, not to {name!r}"
 
 
 def test_layers_are_refused_for_a_model_folder(tmp_path):
-    with pytest.raises(ValueError, match=r"--layers applies to random-flux only, not to '.*model'"):
+    with pytest.raises(ValueError, match=rf"--layers applies to {LAYERED} only, not to '.*model'"):
         load_pipeline(str(tmp_path / "model"), None, layers=2)
 
 

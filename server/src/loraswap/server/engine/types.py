@@ -46,7 +46,8 @@ class ModelDefaults:
     num_inference_steps: int
     guidance_scale: float
     max_sequence_length: int | None = None
-    # Flux: > 1 runs true classifier-free guidance against the negative prompt ("" when unset).
+    # FLUX.1: > 1 runs true classifier-free guidance against the negative prompt ("" when unset). Qwen-Image's
+    # guidance is true CFG itself: its guidance_scale is passed as true_cfg_scale (family_traits/qwen_image.py).
     true_cfg_scale: float = 1.0
 
     @classmethod

@@ -171,11 +171,11 @@ def _random_family(name: str, base_model: str, **guidance: Any) -> BuiltinModel:
     )  # fmt: skip
 
 
-# How the newer families are published to run: Qwen-Image with true CFG (its guidance_scale serves
-# guidance-embedding models only: 1.0 stands for none), Z-Image-Turbo without guidance, FLUX.2 [dev] with
+# How the newer families are published to run: Qwen-Image with true CFG 4 (its family passes guidance_scale as
+# true_cfg_scale: it embeds no guidance), Z-Image-Turbo without guidance, FLUX.2 [dev] with
 # guidance embedded, klein-4B distilled (none). Sequence lengths are short as tiny-flux's; FLUX.2 [dev] always
 # prepends a 35-token system prompt, so 64 leaves it room for the prompt.
-_QWEN_IMAGE_GUIDANCE: dict[str, Any] = dict(guidance_scale=1.0, true_cfg_scale=4.0, max_sequence_length=32)
+_QWEN_IMAGE_GUIDANCE: dict[str, Any] = dict(guidance_scale=4.0, max_sequence_length=32)
 _Z_IMAGE_TURBO_GUIDANCE: dict[str, Any] = dict(guidance_scale=0.0, max_sequence_length=32)
 _FLUX2_DEV_GUIDANCE: dict[str, Any] = dict(guidance_scale=4.0, max_sequence_length=64)
 _FLUX2_KLEIN_GUIDANCE: dict[str, Any] = dict(guidance_scale=1.0, max_sequence_length=32)
