@@ -198,6 +198,20 @@ def test_a_comfy_file_kohya_cannot_spell_is_read_by_diffusers_converter(tmp_path
     assert_deltas(dense_deltas(load(path, "z-image"), "z-image"), expected)
 
 
+@pytest.mark.parametrize("prefix", ["", "diffusion_model."])
+def test_a_layout_only_diffusers_knows_reaches_its_converter_whole(tmp_path: Path, prefix: str) -> None:
+    """Z-Image's dot-separated factor names (`….qkv.lora.down.weight`), which only its converter reads: neither the
+    renames nor the normalisations touch such a file."""
+
+    def dotted(layer: str) -> tuple[str, str, str]:
+        return f"{prefix}{layer}.lora.down.weight", f"{prefix}{layer}.lora.up.weight", f"{prefix}{layer}.alpha"
+
+    path = tmp_path / "dots.safetensors"
+    qkv = "layers.0.attention.qkv"
+    expected = write_file(path, "z-image", {qkv: FILE_LAYERS["z-image"][qkv]}, dotted)
+    assert_deltas(dense_deltas(load(path, "z-image"), "z-image"), expected)
+
+
 def _diffusers_reading(family: str, path: Path) -> dict[str, torch.Tensor]:
     """Each diffusers layer's ΔW as diffusers' own converter reads the file (the alphas baked into the factors)."""
     import diffusers

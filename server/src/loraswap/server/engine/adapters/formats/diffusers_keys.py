@@ -34,13 +34,18 @@ NORMALISED_FAMILIES = frozenset({ModelFamily.QWEN_IMAGE, ModelFamily.Z_IMAGE, Mo
 # PEFT's adapter name after a LoRA tensor's own name: `.lora_A.default.weight` is `.lora_A.weight`.
 _PEFT_ADAPTER_NAME = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.default(?=\.|$)")
 _KOHYA_FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
+# Every tensor name these normalisations know; a file with any other (Z-Image's `.lora.down.weight`, LyCORIS kinds)
+# is left to the family's converter whole, as it always was.
+_KNOWN_TENSORS = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".lora_magnitude_vector",
+                  ".lora_magnitude_vector.weight", ".alpha", *_KOHYA_FACTORS)  # fmt: skip
 
 
 def normalised_keys(
     state_dict: dict[str, torch.Tensor], family: ModelFamily, denoiser: str, denoiser_modules: Mapping[str, object]
 ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
     """(the state dict in the keys diffusers reads, the alphas taken out of it or None), for a NORMALISED_FAMILIES
-    family; any other family's state dict itself (the very dict its converter always got), and None.
+    family; any other family's state dict itself (the very dict its converter always got), and None; so too a file
+    with a tensor name the normalisations do not know.
 
     `denoiser_modules`: the denoiser's module paths (its children are what an unprefixed key may start with).
     Raises ADAPTER_MALFORMED when two keys name the same tensor, ADAPTER_SHAPE_MISMATCH for an alpha of more than one
@@ -48,11 +53,14 @@ def normalised_keys(
     """
     if family not in NORMALISED_FAMILIES:
         return state_dict, None
+    names = {key: _PEFT_ADAPTER_NAME.sub(r".\1", key) for key in state_dict}
+    if not all(name.endswith(_KNOWN_TENSORS) for name in names.values()):
+        return state_dict, None
     children = {module.partition(".")[0] for module in denoiser_modules}
     keys: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
     for key, value in state_dict.items():
-        name = _PEFT_ADAPTER_NAME.sub(r".\1", key)
+        name = names[key]
         if name.partition(".")[0] in children:
             name = f"{denoiser}.{name}"
         if name.startswith(denoiser + ".") and name.endswith(tuple(_KOHYA_FACTORS)):
