@@ -291,6 +291,21 @@ def test_a_layer_in_two_layouts_is_refused(tmp_path: Path) -> None:
     assert "twice" in str(refused.value)
 
 
+@pytest.mark.parametrize("layout", ["kohya", "comfy lora_A"])
+@pytest.mark.parametrize(("family", "fused", "part"), [
+    ("flux2", "double_blocks.0.img_attn.qkv", "transformer_blocks.0.attn.to_q"),
+    ("z-image", "layers.0.attention.qkv", "layers.0.attention.to_q"),
+])  # fmt: skip
+def test_a_fused_layer_beside_one_of_its_parts_is_refused(tmp_path: Path, layout, family, fused, part) -> None:
+    """Either would be dropped unseen (diffusers' Z-Image converter drops the qkv; the kohya reader would keep one)."""
+    path = tmp_path / "both.safetensors"
+    write_file(path, family, {fused: FILE_LAYERS[family][fused], **_whole(part)}, LAYOUTS[layout])
+    with pytest.raises(AdapterFormatError) as refused:
+        load(path, family)
+    assert refused.value.reason == "ADAPTER_MALFORMED"
+    assert "twice" in str(refused.value) and part in str(refused.value)
+
+
 def test_keys_no_converter_reads_are_refused_saying_which_layouts_are_read(tmp_path: Path) -> None:
     """ai-toolkit's FLUX.1 kohya prefix on FLUX.2: its kohya converter returns nothing (only a warning)."""
     path = tmp_path / "unknown.safetensors"

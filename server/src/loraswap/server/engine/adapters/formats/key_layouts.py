@@ -195,6 +195,20 @@ def file_layers(
     return layers
 
 
+def refuse_layers_twice(layers: list[FileLayer]) -> None:
+    """Refuse (ADAPTER_MALFORMED) file layers that change the same model layer: under two names (a fused original
+    layer and one of its parts, or one layer in two spellings), one would be dropped unseen."""
+    seen: dict[tuple[str, str], str] = {}
+    for layer in layers:
+        for module in [part.module for part in layer.parts] or [layer.module]:
+            other = seen.setdefault((layer.component, module), layer.name)
+            if other != layer.name:
+                raise AdapterFormatError(
+                    f"layer {shorten(module)} is in the file twice, as {shorten(other)} and {shorten(layer.name)}; "
+                    "keep one",
+                )
+
+
 def _original_layer(
     component: str, name: str, tensors: dict[str, torch.Tensor], original: OriginalLayer, model: ModelLayers
 ) -> FileLayer | None:

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 import torch
 
 from loraswap.server.engine.adapters.formats.admission import ReadAdapter, SlotSpec, slot_layer, slot_lora
-from loraswap.server.engine.adapters.formats.key_layouts import file_layers
+from loraswap.server.engine.adapters.formats.diffusers_keys import NORMALISED_FAMILIES
+from loraswap.server.engine.adapters.formats.key_layouts import file_layers, refuse_layers_twice
 from loraswap.server.engine.adapters.formats.lycoris_layers import read_layers
 from loraswap.server.engine.adapters.formats.original_names import original_layer
 from loraswap.server.engine.families import FAMILIES
@@ -25,11 +26,13 @@ def read_kohya_layout(
 ) -> ReadAdapter:
     """A kohya-style file (sd-scripts, LyCORIS), every kind, resolved against the model's own layers: plain LoRAs
     of slot layers go to the slot, the rest are changes. `spellings`: the file's own names of layers renamed to
-    kohya-style ones (comfy_names.py), for messages."""
+    kohya-style ones (comfy_names.py), for messages. A newer family's file that changes a layer twice is refused."""
     layers = file_layers(
         raw, FAMILIES[spec.family].kohya_prefixes, spec.model_layers,
         lambda flat: original_layer(spec.family, flat, spec.denoiser_config), spellings,
     )  # fmt: skip
+    if spec.family in NORMALISED_FAMILIES:  # FLUX.1's and SDXL's files are read as they always were
+        refuse_layers_twice(layers)
     read = ReadAdapter(layers={}, changes={})
     for layer in read_layers(layers, spec.model_layers, pin_memory=spec.pin_memory):
         if (low_rank := slot_lora(layer, spec)) is not None:
