@@ -7,15 +7,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# The call argument each family's pipeline takes a LoRA strength in.
+SCALE_ARGUMENT = {
+    "flux": "joint_attention_kwargs", "sdxl": "cross_attention_kwargs", "qwen-image": "attention_kwargs",
+    "z-image": "joint_attention_kwargs", "flux2": "attention_kwargs",
+}  # fmt: skip
+
 
 class DiffusersReference:
     """Images from a freshly loaded plain-diffusers pipeline with the adapter loaded the standard way."""
 
-    def __init__(self, model_dir: Path, family: str, adapter_dir: Path) -> None:
+    def __init__(self, model_dir: Path, family: str, adapter_dir: Path, max_sequence_length: int | None = 32) -> None:
         self.model_dir = model_dir
         self.family = family
         self.adapter_dir = adapter_dir
+        self.max_sequence_length = max_sequence_length  # the tiny models' (SDXL's pipeline takes none)
         self._cache: dict[tuple, np.ndarray] = {}
+
+    def call_arguments(self, guidance: float) -> dict:
+        """The guidance and prompt-length arguments, written out per family as diffusers' pipelines name them."""
+        if self.family == "sdxl":
+            return {"guidance_scale": guidance}
+        length = {"max_sequence_length": self.max_sequence_length}
+        if self.family == "qwen-image":  # no guidance embedding: true CFG, which needs a negative prompt
+            return {**length, "true_cfg_scale": guidance, **({"negative_prompt": ""} if guidance > 1 else {})}
+        return {**length, "guidance_scale": guidance}
 
     def image(self, adapter: str, scale: float, *, prompt: str, seed: int, steps: int, guidance: float,
               width: int = 64, height: int = 64) -> np.ndarray:  # fmt: skip
@@ -25,12 +41,7 @@ class DiffusersReference:
             kwargs = {}
             if adapter:
                 pipe.load_lora_weights(str(self.adapter_dir / adapter))
-                attention_kwargs = {"scale": scale}
-                kwargs = (
-                    {"joint_attention_kwargs": attention_kwargs}
-                    if self.family == "flux"
-                    else {"cross_attention_kwargs": attention_kwargs}
-                )
+                kwargs = {SCALE_ARGUMENT[self.family]: {"scale": scale}}
             self._cache[key] = self._run(pipe, kwargs, prompt, seed, steps, guidance, width, height)
         return self._cache[key]
 
@@ -56,10 +67,9 @@ class DiffusersReference:
 
     def _run(self, pipe, kwargs: dict, prompt: str, seed: int, steps: int, guidance: float, width: int,
              height: int) -> np.ndarray:  # fmt: skip
-        if self.family == "flux":
-            kwargs = {**kwargs, "max_sequence_length": 32}
+        kwargs = {**kwargs, **self.call_arguments(guidance)}
         result = pipe(
-            prompt=prompt, num_inference_steps=steps, guidance_scale=guidance, width=width, height=height,
+            prompt=prompt, num_inference_steps=steps, width=width, height=height,
             generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", **kwargs,
         )  # fmt: skip
         return np.asarray(result.images[0].convert("RGB")).astype(np.int32)

@@ -12,6 +12,7 @@ import pytest
 from loraswap.server.engine.pipeline.warm_up_shapes import (
     WARM_UP_LONG_PROMPT,
     WARM_UP_PROMPT,
+    token_class_sizes,
     warm_up_requests,
     warm_up_sizes,
 )
@@ -78,3 +79,29 @@ def test_a_family_whose_text_follows_the_prompt_warms_up_two_prompt_lengths(text
     for request in requests:
         rules.resolve(request)
     assert len(WARM_UP_LONG_PROMPT.split()) > 512  # past any max_sequence_length a model may have
+
+
+@pytest.mark.parametrize(
+    ("default", "multiple", "min_size", "max_size", "token_padding"),
+    [
+        pytest.param((1024, 1024), 16, 32, 2048, (16, 32), id="z-image"),
+        pytest.param((64, 64), 4, 8, 128, (4, 32), id="tiny-z-image"),
+        pytest.param((1024, 768), 16, 32, 1536, (16, 32), id="z-image-landscape"),
+    ],
+)
+def test_a_model_that_pads_its_image_tokens_warms_up_a_size_of_each_remainder_class(
+    default, multiple, min_size, max_size, token_padding
+):
+    # Z-Image pads image tokens to a multiple of 32 only where they fall short: its graphs' guards split sizes by
+    # whether the token count is a multiple, so each class needs a non-default size of its own.
+    sizes = token_class_sizes(default, multiple, min_size, max_size, token_padding)
+    pixels, period = token_padding
+    assert [(w // pixels) * (h // pixels) % period == 0 for w, h in sizes] == [True, False]
+    for width, height in sizes:
+        assert width != height and width not in default and height not in default
+        assert width % multiple == 0 and height % multiple == 0 and min_size <= min(width, height)
+        assert max(width, height) <= max_size
+    rules = RequestRules(ModelDefaults(*default, 4, 4.0, 64), size_multiple=multiple, min_size=min_size,
+                         max_size=max_size)  # fmt: skip
+    requests = warm_up_requests(rules, None, (4.0, 0.0), True, token_padding)
+    assert {(request.width, request.height) for request in requests[1:]} == {default, *sizes}

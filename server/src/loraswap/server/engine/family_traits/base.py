@@ -68,6 +68,12 @@ class FamilyTraits:
         """Pixels per step of the size classes that need graphs of their own (see warm_up.warm_up_sizes); None: one class."""
         return None
 
+    def token_padding(self, pipe) -> tuple[int, int] | None:
+        """(pixels per image-token side, period) where the denoiser pads its image tokens to a multiple of the
+        period only when they fall short (a guard each graph splits sizes by: warm_up_shapes.token_class_sizes);
+        None: no such padding."""
+        return None
+
     def published_defaults(self, pipe) -> ModelDefaults:
         """The defaults the family's published checkpoints use, for a model folder that names none."""
         raise NotImplementedError

@@ -22,6 +22,11 @@ class ZImageTraits(FamilyTraits):
     def min_size(self, pipe) -> int:
         return 2 * self.size_multiple(pipe)
 
+    def token_padding(self, pipe) -> tuple[int, int] | None:
+        from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
+
+        return (pipe.vae_scale_factor * 2, SEQ_MULTI_OF)  # 2x2 patches of latents, padded to multiples of 32
+
     def published_defaults(self, pipe) -> ModelDefaults:
         return ModelDefaults(1024, 1024, 8, 0.0, 512)  # Tongyi-MAI/Z-Image-Turbo
 

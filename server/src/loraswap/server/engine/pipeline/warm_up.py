@@ -47,6 +47,7 @@ def warm_up(
         traits.upsample_period(loaded.pipe),
         traits.warm_up_guidance(loaded.defaults),
         traits.text_length_varies,
+        traits.token_padding(loaded.pipe),
     )
     graphs = warm_up_graphs(config.fuse, config.fuses, slot.graph_buckets, auto_buckets(loaded, installed))
     buckets = warm_up_buckets(graphs, compiled.compiled)

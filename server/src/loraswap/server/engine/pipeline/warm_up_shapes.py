@@ -56,19 +56,47 @@ def warm_up_sizes(
     return sizes
 
 
+def token_class_sizes(
+    default: tuple[int, int], multiple: int, min_size: int, max_size: int, token_padding: tuple[int, int]
+) -> list[tuple[int, int]]:
+    """Sizes other than the default, one whose image-token count is a multiple of the period and one whose is not.
+
+    `token_padding` is (pixels per token side, period): Z-Image's transformer pads its image tokens to a multiple
+    of the period only where they fall short, so a graph's guards split sizes by that remainder, and each class
+    needs a size of its own (both sides off the default's and width off height, as warm_up_sizes' are) to be
+    compiled with dynamic sides.
+    """
+    pixels, period = token_padding
+    found: dict[bool, tuple[int, int]] = {}
+    sides = [side for side in range(min_size, max_size + 1, multiple) if side not in default]
+    # Nearest the default first: the sizes a warm-up runs cost about what requests do.
+    for width in sorted(sides, key=lambda side: (abs(side - default[0]), side)):
+        for height in sorted(sides, key=lambda side: (abs(side - default[1]), side)):
+            divisible = (width // pixels) * (height // pixels) % period == 0
+            if width != height and divisible not in found:
+                found[divisible] = (width, height)
+        if len(found) == 2:
+            break
+    return [found[divisible] for divisible in (True, False) if divisible in found]
+
+
 def warm_up_requests(
     rules: RequestRules,
     upsample_period: int | None,
     guidances: tuple[float | None, ...],
     text_length_varies: bool = False,
+    token_padding: tuple[int, int] | None = None,
 ) -> list[GenerationRequest]:
     """The default-size request, then each of `warm_up_sizes` at each guidance (None: the model's default); with
     `text_length_varies`, the default size too, each with a long and a short prompt, so the text's length is
-    dynamic in every graph."""
+    dynamic in every graph; with `token_padding`, sizes of both token_class_sizes classes in place of
+    warm_up_sizes'."""
     defaults = rules.defaults
-    sizes = warm_up_sizes(
-        (defaults.width, defaults.height), rules.size_multiple, rules.min_size, rules.max_size, upsample_period
-    )
+    default = (defaults.width, defaults.height)
+    if token_padding is not None:
+        sizes = token_class_sizes(default, rules.size_multiple, rules.min_size, rules.max_size, token_padding)
+    else:
+        sizes = warm_up_sizes(default, rules.size_multiple, rules.min_size, rules.max_size, upsample_period)
     requests = [GenerationRequest(prompt=WARM_UP_PROMPT, seed=0, num_inference_steps=WARM_UP_STEPS)]
     # A text as long as its prompt: both lengths at every size and guidance, since a graph's guards may also split
     # on the text's length (Z-Image pads text and image tokens to multiples of 32 only where they fall short).
