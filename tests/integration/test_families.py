@@ -95,7 +95,9 @@ class FamilyCase:
         # The LoHa's layer is read first: PEFT leaves its wrappers in the modules it wrote adapters from.
         write_random_adapter(pipe, self.adapters / "attn", rank=4, seed=1, init_std=ADAPTER_STD)
         feed_forward = [name for name in family_of(pipe).default_target_modules if _is_feed_forward(name)]
-        write_random_adapter(pipe, self.adapters / "mlp", rank=2, seed=2, init_std=ADAPTER_STD, target_modules=feed_forward)
+        write_random_adapter(
+            pipe, self.adapters / "mlp", rank=2, seed=2, init_std=ADAPTER_STD, target_modules=feed_forward
+        )
         # An SDXL LoRA: a file for another family, refused where it is read.
         write_random_adapter(builtin_model("tiny-sdxl").build(), self.adapters / "sdxl", rank=4, seed=4)
         self.reference = DiffusersReference(self.folder, self.family, self.adapters, self.defaults.max_sequence_length)
@@ -184,16 +186,15 @@ async def test_a_file_for_another_family_is_refused_and_changes_nothing(client, 
 async def test_nothing_compiles_after_start_up(case):
     # Compiled (TEST_COMPILE_BACKEND) under --fuse auto: adapters, a stack, a LoHa, another size and prompts of
     # other lengths (Qwen-Image's and Z-Image's text is as long as the prompt), each repeated bit for bit.
-    async with serving(case.model, case.adapters, max_rank=8, fuse="auto") as running:
-        async with client_of(running) as client:
-            size = case.defaults.width + 2 * (await client.server_info()).size_multiple
-            requests = [
-                {}, {"adapter": "attn"}, {"adapters": [("attn", 0.8), ("mlp", 0.6)]}, {"adapter": "loha"},
-                {"adapter": "mlp", "width": size}, {"adapter": "attn", "prompt": "a kite " * 40}, {"prompt": "x"},
-            ]  # fmt: skip
-            for options in requests:
-                prompt = options.pop("prompt", PROMPT)
-                first = await client.generate_image(prompt, seed=5, num_inference_steps=STEPS, **options)
-                again = await client.generate_image(prompt, seed=5, num_inference_steps=STEPS, **options)
-                assert first.data == again.data, options
-            assert (await client.server_info()).recompilations == 0
+    async with serving(case.model, case.adapters, max_rank=8, fuse="auto") as running, client_of(running) as client:
+        size = case.defaults.width + 2 * (await client.server_info()).size_multiple
+        requests = [
+            {}, {"adapter": "attn"}, {"adapters": [("attn", 0.8), ("mlp", 0.6)]}, {"adapter": "loha"},
+            {"adapter": "mlp", "width": size}, {"adapter": "attn", "prompt": "a kite " * 40}, {"prompt": "x"},
+        ]  # fmt: skip
+        for options in requests:
+            prompt = options.pop("prompt", PROMPT)
+            first = await client.generate_image(prompt, seed=5, num_inference_steps=STEPS, **options)
+            again = await client.generate_image(prompt, seed=5, num_inference_steps=STEPS, **options)
+            assert first.data == again.data, options
+        assert (await client.server_info()).recompilations == 0
