@@ -105,7 +105,10 @@ class EngineConfig:
 
     model: str = setting("shapes", f"built-in model ({', '.join(BUILTINS)}), a diffusers folder, or a Hub id")
     layers: int | None = setting(
-        None, "random-flux only: keep N double-stream (2N single) blocks (default: all)", parse=int
+        None,
+        "the random-* models with depth: keep N blocks (random-flux: N double-stream, 2N single; random-flux2-klein: "
+        "N double, 4N single; random-qwen-image, random-z-image: N blocks) (default: all)",
+        parse=int,
     )
     device: str | None = setting(None, "torch device (default: cuda when available, else cpu)", parse=optional_text)
     dtype: str | None = setting(
