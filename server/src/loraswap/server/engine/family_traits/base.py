@@ -42,6 +42,11 @@ class FamilyTraits:
     # Whether the text stream's length follows the prompt (no padding to max_sequence_length): its graphs must then
     # see two lengths at warm-up, so that the length is dynamic before any request comes (warm_up_shapes.py).
     text_length_varies: bool = False
+    # Whether its files keyed by module path (ComfyUI's and ai-toolkit's `diffusion_model.`, PEFT's
+    # `base_model.model.`) are read as the kohya-style names they spell, and its diffusers-named files are normalised
+    # before diffusers' converter (adapters/formats/comfy_names.py, diffusers_keys.py): the newer families, whose
+    # converters drop or break such files. FLUX.1's and SDXL's files reach their converters as they always did.
+    reads_module_path_files: bool = False
 
     def denoiser(self, pipe):
         """The pipeline's denoiser: the module adapters change."""

@@ -68,5 +68,6 @@ FLUX2 = Flux2Traits(
     text_encoders=(),  # Mistral 3 (dev), Qwen3 (klein); diffusers' loader reads no text-encoder LoRA for them
     # sd-scripts' and musubi-tuner's BFL names (`lora_unet_double_blocks_0_img_attn_qkv`), LyCORIS's diffusers names.
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
+    reads_module_path_files=True,
     latent_rgb=FLUX2_LATENT_RGB,
 )  # fmt: skip

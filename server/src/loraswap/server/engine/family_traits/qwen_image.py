@@ -71,5 +71,6 @@ QWEN_IMAGE = QwenImageTraits(
     # musubi-tuner's and sd-scripts' `lora_unet_transformer_blocks_0_attn_to_q`, LyCORIS's diffusers names.
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
     text_length_varies=True,  # padded to the longest prompt of a call, not to max_sequence_length
+    reads_module_path_files=True,
     latent_rgb=QWEN_IMAGE_LATENT_RGB,
 )  # fmt: skip

@@ -62,5 +62,6 @@ Z_IMAGE = ZImageTraits(
     # musubi-tuner's and sd-scripts' `lora_unet_layers_0_attention_to_q`, LyCORIS's diffusers names.
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
     text_length_varies=True,  # each prompt unpadded, the transformer pads it to a multiple of 32
+    reads_module_path_files=True,
     latent_rgb=FLUX_LATENT_RGB,
 )  # fmt: skip

@@ -5,8 +5,9 @@ state dict as `base_model.model.<module path>.<tensor>`, with PEFT's factor name
 (`lora_down`, `lora_up`, `alpha`, the LyCORIS kinds' tensors); the module path is the model's own, in diffusers'
 names or the original model's (BFL FLUX.2's fused qkv, Z-Image's `attention.qkv`). Written `lora_unet_<path with
 '_' for '.'>` with kohya's factor names, such a file is a kohya-style one: for the newer families
-(diffusers_keys.py's NORMALISED_FAMILIES) it is read by kohya_layout.py, which resolves each name against the model's module paths and original names
-(original_names.py), cuts fused layers at the model's own widths and reads every kind and each layer's alpha.
+(FamilyTraits.reads_module_path_files) it is read by kohya_layout.py, which resolves each name against the
+model's module paths and original names (original_names.py), cuts fused layers at the model's own widths and
+reads every kind and each layer's alpha.
 
 diffusers' converters for these families read only some of these files, and misread others without a word: FLUX.2's
 `diffusion_model.` names with `lora_down`/`lora_up` convert to nothing, with `alpha` tensors they raise, its final
@@ -20,7 +21,6 @@ import re
 
 import torch
 
-from loraswap.server.engine.adapters.formats.diffusers_keys import NORMALISED_FAMILIES
 from loraswap.server.engine.adapters.formats.key_layouts import LAYER_TENSORS, UNSUPPORTED_KIND_TENSORS
 from loraswap.server.engine.errors import AdapterFormatError, shorten
 from loraswap.server.engine.families import FAMILIES
@@ -57,12 +57,13 @@ def comfy_as_kohya(
     """The file with its model-prefixed keys renamed to kohya-style ones, and each renamed layer's name as the file
     spells it (kohya layer -> file layer), for messages.
 
-    The file itself (no renamed layers) for a family not in NORMALISED_FAMILIES, and for a file with a model-prefixed
-    key of a tensor no kind has or a module path kohya cannot spell: such a file goes to diffusers' converters whole.
+    The file itself (no renamed layers) for a family that does not read module-path files, and for a file with a
+    model-prefixed key of a tensor no kind has or a module path kohya cannot spell: such a file goes to diffusers'
+    converters whole.
     Raises ADAPTER_MALFORMED when a layer is in the file twice, under two layouts or spellings.
     """
     traits = FAMILIES[family]
-    ours = family in NORMALISED_FAMILIES and traits.kohya_prefixes.get(KOHYA_PREFIX) == traits.denoiser_attribute
+    ours = traits.reads_module_path_files and traits.kohya_prefixes.get(KOHYA_PREFIX) == traits.denoiser_attribute
     prefixed = [key for key in state_dict if key.startswith(MODEL_PREFIXES)] if ours else []
     if not prefixed:
         return state_dict, {}

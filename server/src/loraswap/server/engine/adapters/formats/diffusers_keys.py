@@ -26,11 +26,9 @@ from collections.abc import Mapping
 import torch
 
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
+from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.types import ModelFamily
 
-# The families whose files are normalised before their diffusers converters, and whose ComfyUI-style files are read
-# as kohya-style ones (comfy_names.py).
-NORMALISED_FAMILIES = frozenset({ModelFamily.QWEN_IMAGE, ModelFamily.Z_IMAGE, ModelFamily.FLUX2})
 # PEFT's adapter name after a LoRA tensor's own name: `.lora_A.default.weight` is `.lora_A.weight`.
 _PEFT_ADAPTER_NAME = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.default(?=\.|$)")
 _KOHYA_FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
@@ -43,15 +41,15 @@ _KNOWN_TENSORS = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".lora_mag
 def normalised_keys(
     state_dict: dict[str, torch.Tensor], family: ModelFamily, denoiser: str, denoiser_modules: Mapping[str, object]
 ) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-    """(the state dict in the keys diffusers reads, the alphas taken out of it or None), for a NORMALISED_FAMILIES
-    family; any other family's state dict itself (the very dict its converter always got), and None; so too a file
-    with a tensor name the normalisations do not know.
+    """(the state dict in the keys diffusers reads, the alphas taken out of it or None), for a family that reads
+    module-path files; any other family's state dict itself (the very dict its converter always got), and None;
+    so too a file with a tensor name the normalisations do not know.
 
     `denoiser_modules`: the denoiser's module paths (its children are what an unprefixed key may start with).
     Raises ADAPTER_MALFORMED when two keys name the same tensor, ADAPTER_SHAPE_MISMATCH for an alpha of more than one
     value.
     """
-    if family not in NORMALISED_FAMILIES:
+    if not FAMILIES[family].reads_module_path_files:
         return state_dict, None
     names = {key: _PEFT_ADAPTER_NAME.sub(r".\1", key) for key in state_dict}
     if not all(name.endswith(_KNOWN_TENSORS) for name in names.values()):
@@ -87,9 +85,10 @@ def _alpha(key: str, value: torch.Tensor) -> float:
 def refuse_nothing_converted(
     state_dict: Mapping[str, torch.Tensor], converted: Mapping[str, torch.Tensor], family: ModelFamily
 ) -> None:
-    """Refuse, saying which layouts are read, a file of a NORMALISED_FAMILIES family of which diffusers' converter
-    made nothing (`state_dict`: what it was given, `converted`: what it returned)."""
-    if family not in NORMALISED_FAMILIES or converted or not state_dict:
+    """Refuse, saying which layouts are read, a file of a family that reads module-path files
+    (FamilyTraits.reads_module_path_files) of which diffusers' converter made nothing (`state_dict`: what it was
+    given, `converted`: what it returned)."""
+    if not FAMILIES[family].reads_module_path_files or converted or not state_dict:
         return
     raise AdapterFormatError(
         f"diffusers' {family.value} converter read none of the adapter's {len(state_dict)} tensors "

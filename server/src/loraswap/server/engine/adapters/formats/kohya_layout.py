@@ -14,7 +14,6 @@ from collections.abc import Mapping
 import torch
 
 from loraswap.server.engine.adapters.formats.admission import ReadAdapter, SlotSpec, slot_layer, slot_lora
-from loraswap.server.engine.adapters.formats.diffusers_keys import NORMALISED_FAMILIES
 from loraswap.server.engine.adapters.formats.key_layouts import file_layers, refuse_layers_twice
 from loraswap.server.engine.adapters.formats.lycoris_layers import read_layers
 from loraswap.server.engine.adapters.formats.original_names import original_layer
@@ -31,7 +30,7 @@ def read_kohya_layout(
         raw, FAMILIES[spec.family].kohya_prefixes, spec.model_layers,
         lambda flat: original_layer(spec.family, flat, spec.denoiser_config), spellings,
     )  # fmt: skip
-    if spec.family in NORMALISED_FAMILIES:  # FLUX.1's and SDXL's files are read as they always were
+    if FAMILIES[spec.family].reads_module_path_files:  # FLUX.1's and SDXL's files are read as they always were
         refuse_layers_twice(layers)
     read = ReadAdapter(layers={}, changes={})
     for layer in read_layers(layers, spec.model_layers, pin_memory=spec.pin_memory):
