@@ -110,9 +110,12 @@ class FamilyTraits:
     def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
         """diffusers' own reading of a LoRA file for this family: (diffusers-format keys, alphas or None).
 
-        Runs diffusers' converters (kohya, A1111, ComfyUI, xlabs, ...); they raise on layouts they cannot read.
+        Runs diffusers' converters (kohya, A1111, ComfyUI, xlabs, ...); they raise on layouts they cannot read. This
+        default is the newer families': their converters fold each alpha into the factors, so none come back.
         """
-        raise NotImplementedError
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_classes[0]).lora_state_dict(state_dict), None
 
     def save_lora_weights(self, directory: str | Path, state_dict: dict, metadata: dict) -> None:
         """Write the denoiser's LoRA `state_dict` (PEFT keys) as diffusers' `save_lora_weights` does."""
@@ -125,3 +128,15 @@ class FamilyTraits:
                 f"{self.adapter_prefix}_lora_adapter_metadata": metadata,
             },
         )
+
+
+class PatchifiedTraits(FamilyTraits):
+    """A transformer denoiser over 2x2 patches of latents: sizes are multiples of the VAE's factor times 2."""
+
+    def size_multiple(self, pipe) -> int:
+        # The VAE's downscale factor times the 2x2 latent patches.
+        return pipe.vae_scale_factor * 2
+
+    def min_size(self, pipe) -> int:
+        # More than one patch (a one-multiple square is one token).
+        return 2 * self.size_multiple(pipe)

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraswap.server.engine.family_traits.base import FamilyTraits
+from loraswap.server.engine.family_traits.base import PatchifiedTraits
 from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
 
 
-class FluxTraits(FamilyTraits):
-    def size_multiple(self, pipe) -> int:
-        # The VAE's downscale factor times Flux's 2x2 latent packing.
-        return pipe.vae_scale_factor * 2
-
-    def min_size(self, pipe) -> int:
-        # More than one packed token (a one-multiple square is one token).
-        return 2 * self.size_multiple(pipe)
-
+class FluxTraits(PatchifiedTraits):
     def published_defaults(self, pipe) -> ModelDefaults:
         if getattr(pipe.transformer.config, "guidance_embeds", False):
             return ModelDefaults(1024, 1024, 28, 3.5, 512)  # Flux.1 [dev]

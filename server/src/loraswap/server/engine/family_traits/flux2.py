@@ -11,17 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraswap.server.engine.family_traits.base import FamilyTraits
+from loraswap.server.engine.family_traits.base import PatchifiedTraits
 from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
 
 
-class Flux2Traits(FamilyTraits):
-    def size_multiple(self, pipe) -> int:
-        return pipe.vae_scale_factor * 2
-
-    def min_size(self, pipe) -> int:
-        return 2 * self.size_multiple(pipe)
-
+class Flux2Traits(PatchifiedTraits):
     def published_defaults(self, pipe) -> ModelDefaults:
         if getattr(pipe.config, "is_distilled", False):
             return ModelDefaults(1024, 1024, 4, 1.0, 512)  # FLUX.2 [klein], distilled
@@ -42,12 +36,6 @@ class Flux2Traits(FamilyTraits):
         rows, columns = height // (pipe.vae_scale_factor * 2), width // (pipe.vae_scale_factor * 2)
         patches = latents.reshape(latents.shape[0], rows, columns, latents.shape[-1]).permute(0, 3, 1, 2)
         return pipe._unpatchify_latents(patches)
-
-    def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
-        from diffusers import Flux2Pipeline
-
-        # Its converters fold each alpha into the factors: no alphas come back.
-        return Flux2Pipeline.lora_state_dict(state_dict), None
 
 
 # FLUX.2's VAE has 32 latent channels; no published projection is carried yet: previews are grey.

@@ -11,18 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, FamilyTraits
+from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, PatchifiedTraits
 from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
 
 
-class QwenImageTraits(FamilyTraits):
-    def size_multiple(self, pipe) -> int:
-        # The VAE's downscale factor times the transformer's 2x2 latent packing.
-        return pipe.vae_scale_factor * 2
-
-    def min_size(self, pipe) -> int:
-        return 2 * self.size_multiple(pipe)
-
+class QwenImageTraits(PatchifiedTraits):
     def published_defaults(self, pipe) -> ModelDefaults:
         return ModelDefaults(1024, 1024, 50, 4.0, 512)  # Qwen/Qwen-Image: 50 steps, true_cfg_scale 4
 
@@ -44,12 +37,6 @@ class QwenImageTraits(FamilyTraits):
     def spatial_latents(self, pipe, latents, height: int, width: int):
         # Packed 2x2 patches (batch, tokens, channels * 4), unpacked to the VAE's (batch, channels, frames=1, h, w).
         return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)[:, :, 0]
-
-    def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
-        from diffusers import QwenImagePipeline
-
-        # Its converters fold each alpha into the factors: no alphas come back.
-        return QwenImagePipeline.lora_state_dict(state_dict), None
 
 
 # Qwen-Image's VAE (Wan 2.1's) has 16 latent channels; no published projection is carried yet: previews are grey.

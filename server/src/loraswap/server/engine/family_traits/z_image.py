@@ -9,19 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, FamilyTraits
+from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, PatchifiedTraits
 from loraswap.server.engine.family_traits.flux import FLUX_LATENT_RGB
 from loraswap.server.engine.types import ModelDefaults, ModelFamily
 
 
-class ZImageTraits(FamilyTraits):
-    def size_multiple(self, pipe) -> int:
-        # The VAE's downscale factor times the transformer's 2x2 patches (the pipeline raises on other sizes).
-        return pipe.vae_scale_factor * 2
-
-    def min_size(self, pipe) -> int:
-        return 2 * self.size_multiple(pipe)
-
+class ZImageTraits(PatchifiedTraits):
     def token_padding(self, pipe) -> tuple[int, int] | None:
         from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
 
@@ -40,12 +33,6 @@ class ZImageTraits(FamilyTraits):
 
     def guidance_batch(self, guidance: float) -> int:
         return 2 if guidance > 0.0 else 1  # ZImagePipeline's do_classifier_free_guidance
-
-    def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
-        from diffusers import ZImagePipeline
-
-        # Its converters fold each alpha into the factors: no alphas come back.
-        return ZImagePipeline.lora_state_dict(state_dict), None
 
 
 Z_IMAGE = ZImageTraits(
