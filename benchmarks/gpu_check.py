@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, run in this order: {', '.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})",
     )
     parser.add_argument("--model", default="random-flux", help="built-in model (random-flux, tiny-flux, ...)")
-    parser.add_argument("--layers", type=int, help="random-flux: double-stream blocks kept (default: full depth)")
+    parser.add_argument("--layers", type=int, help="random models with depth: blocks kept (default: full depth)")
     parser.add_argument("--size", type=int, default=1024, help="width and height in pixels")
     parser.add_argument("--steps", type=int, default=28, help="denoising steps per image")
     parser.add_argument(
@@ -124,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what every request asks its image in (the server's default: png)",
     )
     parser.add_argument("--device", default="cuda", help="torch device (cpu only for a smoke run)")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+        help="the model's dtype (bfloat16, as served on GPUs; float32 makes a CPU smoke run of a random model fast)",
+    )  # fmt: skip
     parser.add_argument(
         "--warm-up",
         action=argparse.BooleanOptionalAction,
@@ -337,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "check": "gpu_check",
         "model": args.model,
         "layers": args.layers or "full depth",
+        "dtype": args.dtype,
         "size": args.size,
         "steps": args.steps,
         "max_sequence_length": args.max_sequence_length,

@@ -87,7 +87,7 @@ def engine_config(args: argparse.Namespace, variant: Variant):
         model=args.model,
         layers=args.layers,
         device=args.device,
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_rank=args.rank,
         rank_buckets=(args.rank,),  # the adapters are rank-`rank`: one bucket, one set of graphs
         compile=args.compile,

@@ -303,3 +303,21 @@ def test_on_cuda_the_syncs_are_counted_between_step_ends_and_inside_swaps(monkey
     }
     # The wrappers are gone again: the scheduler's and the residency's own methods are back.
     assert "step" not in vars(path.pipe.scheduler) and "load_stack" not in vars(path.residency)
+
+
+@pytest.mark.parametrize("model", ["random-qwen-image", "random-z-image", "random-flux2-klein"])
+def test_the_newer_families_random_models_run_the_check(model, tmp_path) -> None:
+    # The full-width models of issue 42's families, one block deep and in float32 (bfloat16 matmuls are slow on
+    # CPUs without AVX512-BF16): the check serves them as it will on the GPU, so the next GPU run can measure them.
+    out = tmp_path / "gpu.json"
+    result = _run(
+        "--device", "cpu", "--dtype", "float32", "--model", model, "--layers", "1", "--size", "32", "--steps", "2",
+        "--requests", "1", "--rank", "4", "--compile", "none", "--max-sequence-length", "64", "--profile-steps", "2",
+        "--variants", "bare", "--out", str(out), timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (report["model"], report["layers"], report["dtype"], report["size"]) == (model, 1, "float32", 32)
+    bare = report["variants"]["bare"]
+    assert all(key in bare for key in VARIANT_KEYS), bare
+    assert bare["seconds_per_image"] > 0 and bare["recompilations"] == 0 and bare["host_syncs_per_step"] == 0
