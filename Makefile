@@ -14,7 +14,7 @@ $(BIN)/.installed: client/pyproject.toml client/setup.py server/pyproject.toml p
 	$(BIN)/python -m pip install -q -e ./client -e "./server[test]"
 	touch $@
 
-.PHONY: install demo test test-image
+.PHONY: install demo test test-heavy test-image
 install: $(BIN)/.installed
 
 demo: $(BIN)/.installed
@@ -25,7 +25,12 @@ demo: $(BIN)/.installed
 TEST_WORKERS ?= 2
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q --durations=25 -m "not image" -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q --durations=25 -m "not image and not heavy" -n $(TEST_WORKERS) --dist loadfile
+
+# What the default run leaves out for time, each covered there by a lighter test (the GPU check on each newer
+# family's full-width random model, where the default run smoke-tests one of them).
+test-heavy: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m heavy -n $(TEST_WORKERS) --dist loadfile
 
 # The container image: podman builds the Dockerfile on a local Debian base and serves a call from it (minutes; root).
 test-image: $(BIN)/.installed

@@ -185,7 +185,8 @@ async def test_a_file_for_another_family_is_refused_and_changes_nothing(client, 
 
 async def test_nothing_compiles_after_start_up(case):
     # Compiled (TEST_COMPILE_BACKEND) under --fuse auto: adapters, a stack, a LoHa, another size and prompts of
-    # other lengths (Qwen-Image's and Z-Image's text is as long as the prompt), each repeated bit for bit.
+    # other lengths (Qwen-Image's and Z-Image's text is as long as the prompt), each repeated bit for bit. Z-Image's
+    # start takes a minute here: its warm-up compiles a graph for each guidance batch, size class and prompt length.
     async with serving(case.model, case.adapters, max_rank=8, fuse="auto") as running, client_of(running) as client:
         size = case.defaults.width + 2 * (await client.server_info()).size_multiple
         requests = [

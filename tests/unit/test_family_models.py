@@ -7,9 +7,6 @@ runs two steps at 64 px. Full depth (3.9 to 20 B parameters) is for a GPU.
 
 from __future__ import annotations
 
-import socket
-
-import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
@@ -118,19 +115,6 @@ def _vocab_size(encoder: torch.nn.Module) -> int:
 def built(request: pytest.FixtureRequest) -> tuple[str, DiffusionPipeline]:
     """One shared, unmodified pipeline per tiny model (tests must not mutate it)."""
     return request.param, builtin_model(request.param).build()
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Offline mode plus a hard guard: any attempt to open a connection fails."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 @pytest.mark.parametrize("name", PIPELINE_CLASSES)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
-import huggingface_hub.constants
 import numpy as np
 import peft
 import pytest
@@ -38,19 +35,6 @@ def _modules(pipe: DiffusionPipeline) -> dict[str, torch.nn.Module]:
 def built(request: pytest.FixtureRequest) -> tuple[str, DiffusionPipeline]:
     """One shared, unmodified pipeline per builtin model (tests must not mutate it)."""
     return request.param, builtin_model(request.param).build()
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Offline mode plus a hard guard: any attempt to open a connection fails."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 def test_pipeline_classes(built: tuple[str, DiffusionPipeline]) -> None:
