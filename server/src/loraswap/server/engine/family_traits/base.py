@@ -47,6 +47,9 @@ class FamilyTraits:
     # before diffusers' converter (adapters/formats/comfy_names.py, diffusers_keys.py): the newer families, whose
     # converters drop or break such files. FLUX.1's and SDXL's files reach their converters as they always did.
     reads_module_path_files: bool = False
+    # The guidance above which the pipeline runs classifier-free guidance (a second image per step: a batch of 2,
+    # or a second call); None: it never does (guidance embedded, or none), or the family says so itself.
+    guidance_above: float | None = None
 
     def denoiser(self, pipe):
         """The pipeline's denoiser: the module adapters change."""
@@ -93,11 +96,16 @@ class FamilyTraits:
 
     def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
         """The guidance settings (None: the default) a warm-up runs at each size so no later guidance compiles."""
-        return (None,)
+        if self.guidance_above is None:
+            return (None,)
+        # Guidance on runs a second image per step and off does not, a size-1 dimension torch specialises: each
+        # size needs both.
+        above = self.guidance_above
+        return (defaults.guidance_scale if defaults.guidance_scale > above else WARM_UP_GUIDANCE, above)
 
     def guidance_batch(self, guidance: float) -> int:
         """How many images the denoiser computes per step at this guidance scale (classifier-free guidance: 2)."""
-        return 1
+        return 2 if self.guidance_above is not None and guidance > self.guidance_above else 1
 
     def latent_channels(self, pipe) -> int:
         """The channels of the latents spatial_latents gives (the VAE's latent space)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, PatchifiedTraits
+from loraswap.server.engine.family_traits.base import PatchifiedTraits
 from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
 
 
@@ -23,13 +23,6 @@ class QwenImageTraits(PatchifiedTraits):
         if guidance_scale > 1.0:
             return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
         return {"true_cfg_scale": guidance_scale}
-
-    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
-        guidance_on = defaults.guidance_scale if defaults.guidance_scale > 1.0 else WARM_UP_GUIDANCE
-        return (guidance_on, 1.0)
-
-    def guidance_batch(self, guidance: float) -> int:
-        return 2 if guidance > 1.0 else 1
 
     def latent_channels(self, pipe) -> int:
         return pipe.vae.config.z_dim
@@ -59,5 +52,6 @@ QWEN_IMAGE = QwenImageTraits(
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
     text_length_varies=True,  # padded to the longest prompt of a call, not to max_sequence_length
     reads_module_path_files=True,
+    guidance_above=1.0,  # true CFG, two calls of batch 1
     latent_rgb=QWEN_IMAGE_LATENT_RGB,
 )  # fmt: skip

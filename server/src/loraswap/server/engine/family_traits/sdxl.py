@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, FamilyTraits
+from loraswap.server.engine.family_traits.base import FamilyTraits
 from loraswap.server.engine.types import LatentRgb, ModelDefaults, ModelFamily
 
 
@@ -28,15 +28,6 @@ class SdxlTraits(FamilyTraits):
 
     def pipeline_kwargs(self, negative_prompt: str, guidance_scale: float, defaults: ModelDefaults) -> dict[str, Any]:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
-
-    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
-        # Classifier-free guidance runs as batch 2 and guidance <= 1 as batch 1, a size-1
-        # dimension torch specialises: each size needs both.
-        guidance_on = defaults.guidance_scale if defaults.guidance_scale > 1.0 else WARM_UP_GUIDANCE
-        return (guidance_on, 1.0)
-
-    def guidance_batch(self, guidance: float) -> int:
-        return 2 if guidance > 1.0 else 1  # diffusers' do_classifier_free_guidance
 
     def lora_state_dict(self, state_dict: dict, denoiser_config) -> tuple[dict, dict[str, float] | None]:
         from diffusers import StableDiffusionXLPipeline
@@ -67,5 +58,6 @@ SDXL = SdxlTraits(
         "lora_unet": "unet", "lycoris": "unet",
         "lora_te": "text_encoder", "lora_te1": "text_encoder", "lora_te2": "text_encoder_2",
     },
+    guidance_above=1.0,  # diffusers' do_classifier_free_guidance
     latent_rgb=SDXL_LATENT_RGB,
 )  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraswap.server.engine.family_traits.base import WARM_UP_GUIDANCE, PatchifiedTraits
+from loraswap.server.engine.family_traits.base import PatchifiedTraits
 from loraswap.server.engine.family_traits.flux import FLUX_LATENT_RGB
 from loraswap.server.engine.types import ModelDefaults, ModelFamily
 
@@ -25,14 +25,6 @@ class ZImageTraits(PatchifiedTraits):
 
     def pipeline_kwargs(self, negative_prompt: str, guidance_scale: float, defaults: ModelDefaults) -> dict[str, Any]:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None}
-
-    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
-        # Guidance > 0 runs as batch 2 and 0 as batch 1: each size needs both.
-        guidance_on = defaults.guidance_scale if defaults.guidance_scale > 0.0 else WARM_UP_GUIDANCE
-        return (guidance_on, 0.0)
-
-    def guidance_batch(self, guidance: float) -> int:
-        return 2 if guidance > 0.0 else 1  # ZImagePipeline's do_classifier_free_guidance
 
 
 Z_IMAGE = ZImageTraits(
@@ -50,5 +42,6 @@ Z_IMAGE = ZImageTraits(
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
     text_length_varies=True,  # each prompt unpadded, the transformer pads it to a multiple of 32
     reads_module_path_files=True,
+    guidance_above=0.0,  # ZImagePipeline's do_classifier_free_guidance
     latent_rgb=FLUX_LATENT_RGB,
 )  # fmt: skip
