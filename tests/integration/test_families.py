@@ -8,12 +8,14 @@ another family is refused and changes nothing; repeats are bit-identical; and no
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from loraswap.client import LoraswapError
 from loraswap.server.devtools.random_adapter import write_random_adapter
@@ -72,6 +74,15 @@ def _loha_delta(factors: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
+def _with_text_encoder_layers(adapter: Path, directory: Path) -> None:
+    """The adapter's file with LoRA factors for a text encoder beside its transformer's, as some trainers write."""
+    tensors = load_file(adapter / "pytorch_lora_weights.safetensors")
+    tensors["text_encoder.model.layers.0.self_attn.q_proj.lora_A.weight"] = torch.randn(4, 32)
+    tensors["text_encoder.model.layers.0.self_attn.q_proj.lora_B.weight"] = torch.randn(32, 4)
+    directory.mkdir()
+    save_file(tensors, directory / "pytorch_lora_weights.safetensors")
+
+
 class FamilyCase:
     """One family's tiny model: its exported folder, its adapters, and the references they must equal."""
 
@@ -98,6 +109,7 @@ class FamilyCase:
         write_random_adapter(
             pipe, self.adapters / "mlp", rank=2, seed=2, init_std=ADAPTER_STD, target_modules=feed_forward
         )
+        _with_text_encoder_layers(self.adapters / "attn", self.adapters / "attn-with-te")
         # An SDXL LoRA: a file for another family, refused where it is read.
         write_random_adapter(builtin_model("tiny-sdxl").build(), self.adapters / "sdxl", rank=4, seed=4)
         self.reference = DiffusersReference(self.folder, self.family, self.adapters, self.defaults.max_sequence_length)
@@ -181,6 +193,17 @@ async def test_a_file_for_another_family_is_refused_and_changes_nothing(client, 
     assert caught.value.reason == "ADAPTER_NO_DENOISER_LAYERS"
     assert np.array_equal(await _image(client, adapter="attn"), before)
     assert "sdxl" not in {adapter.id for adapter in (await client.list_adapters()).adapters}
+
+
+async def test_text_encoder_layers_these_families_cannot_apply_are_refused_by_name(client, case):
+    # diffusers loads no text-encoder LoRA for these families: a file with text-encoder layers is refused naming
+    # them (the reason such layers have for any family that takes none), and changes nothing.
+    before = await _image(client, adapter="attn")
+    with pytest.raises(LoraswapError) as caught:
+        await _image(client, adapter="attn-with-te")
+    assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_UNSUPPORTED_TENSORS")
+    assert "text_encoder (2 tensors)" in caught.value.message
+    assert np.array_equal(await _image(client, adapter="attn"), before)
 
 
 async def test_nothing_compiles_after_start_up(case):
