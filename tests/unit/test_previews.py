@@ -24,7 +24,7 @@ from loraswap.server.engine.errors import InvalidRequestError
 from loraswap.server.engine.families import FLUX, FLUX_LATENT_RGB, SDXL, SDXL_LATENT_RGB
 from loraswap.server.engine.models import BUILTINS, latent_rgb
 from loraswap.server.engine.models.shapes import SHAPES_LATENT_RGB
-from loraswap.server.engine.pipeline.previews import MAX_PREVIEW_SIDE, LatentPreviewer, grey_projection, preview_size
+from loraswap.server.engine.pipeline.previews import MAX_PREVIEW_SIDE, LatentPreviewer, preview_size
 from loraswap.server.engine.request_rules import RequestRules
 from loraswap.server.engine.types import GenerationRequest, LatentRgb, ModelDefaults
 from tests.support.previews import dominant_colours_agree
@@ -107,7 +107,7 @@ def test_a_latent_space_without_factors_previews_in_grey(caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING):
         previewer = LatentPreviewer(FLUX_LATENT_RGB, 4, CPU)  # tiny-flux: a 4-channel VAE in a Flux pipeline
     assert "grey" in caplog.text
-    assert previewer.projection == grey_projection(4)
+    assert previewer.projection == LatentRgb.grey(4)
     pixels = previewer.pixels(torch.randn(1, 4, 5, 7), 40, 56).numpy()
     assert (pixels[..., 0] == pixels[..., 1]).all() and (pixels[..., 1] == pixels[..., 2]).all()
 

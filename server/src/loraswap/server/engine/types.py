@@ -172,6 +172,11 @@ class LatentRgb:
     def channels(self) -> int:
         return len(self.factors)
 
+    @classmethod
+    def grey(cls, channels: int) -> LatentRgb:
+        """The channels' mean as a grey level: the preview of a latent space nobody fitted factors for."""
+        return cls(factors=((1.0 / channels,) * 3,) * channels)
+
 
 @dataclass(frozen=True)
 class StepProgress:

@@ -39,7 +39,7 @@ class Flux2Traits(PatchifiedTraits):
 
 
 # FLUX.2's VAE has 32 latent channels; no published projection is carried yet: previews are grey.
-FLUX2_LATENT_RGB = LatentRgb(factors=((1.0 / 32,) * 3,) * 32)
+FLUX2_LATENT_RGB = LatentRgb.grey(32)
 
 FLUX2 = Flux2Traits(
     family=ModelFamily.FLUX2,

@@ -20,7 +20,7 @@ class QwenImageTraits(PatchifiedTraits):
         return ModelDefaults(1024, 1024, 50, 4.0, 512)  # Qwen/Qwen-Image: 50 steps, true_cfg_scale 4
 
     def pipeline_kwargs(self, negative_prompt: str, guidance_scale: float, defaults: ModelDefaults) -> dict[str, Any]:
-        if guidance_scale > 1.0:
+        if guidance_scale > self.guidance_above:  # diffusers runs true CFG only when given a negative prompt
             return {"true_cfg_scale": guidance_scale, "negative_prompt": negative_prompt}
         return {"true_cfg_scale": guidance_scale}
 
@@ -33,7 +33,7 @@ class QwenImageTraits(PatchifiedTraits):
 
 
 # Qwen-Image's VAE (Wan 2.1's) has 16 latent channels; no published projection is carried yet: previews are grey.
-QWEN_IMAGE_LATENT_RGB = LatentRgb(factors=((1.0 / 16,) * 3,) * 16)
+QWEN_IMAGE_LATENT_RGB = LatentRgb.grey(16)
 
 QWEN_IMAGE = QwenImageTraits(
     family=ModelFamily.QWEN_IMAGE,

@@ -25,11 +25,6 @@ PREVIEW_FORMAT = ImageFormat.JPEG
 PREVIEW_JPEG_QUALITY = 85
 
 
-def grey_projection(channels: int) -> LatentRgb:
-    """The channels' mean as a grey level: the preview of a latent space nobody fitted factors for."""
-    return LatentRgb(factors=((1.0 / channels,) * 3,) * channels)
-
-
 def preview_size(width: int, height: int, max_side: int = MAX_PREVIEW_SIDE) -> tuple[int, int]:
     """(width, height) shrunk, aspect ratio kept, so that the longer side is at most `max_side`."""
     longest = max(width, height)
@@ -54,7 +49,7 @@ class LatentPreviewer:
                 "no latent-to-RGB factors for %d-channel latents (have %d); step previews are grey",
                 latent_channels, projection.channels,
             )  # fmt: skip
-            projection = grey_projection(latent_channels)
+            projection = LatentRgb.grey(latent_channels)
         self.projection = projection
         self._factors = torch.tensor(projection.factors, dtype=torch.float32, device=device)
         self._bias = torch.tensor(projection.bias, dtype=torch.float32, device=device)
