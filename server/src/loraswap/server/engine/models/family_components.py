@@ -31,7 +31,9 @@ from loraswap.server.engine.models.chat_tokenizers import (
     qwen3_chat_tokenizer,
     qwen_image_tokenizer,
 )
-from loraswap.server.engine.models.components import seeded, vae_levels
+
+# FLUX.2 publishes FLUX.1-dev's scheduler config (its pipelines pass `mu`, which needs dynamic shifting).
+from loraswap.server.engine.models.components import flux_dev_scheduler, seeded, vae_levels
 
 __all__ = [
     "FLUX2_DEV_TEXT_LAYERS",
@@ -75,14 +77,6 @@ def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
 def z_image_turbo_scheduler() -> FlowMatchEulerDiscreteScheduler:
     """Tongyi-MAI/Z-Image-Turbo's scheduler, from its published config (a fixed shift)."""
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-
-
-def flux2_scheduler() -> FlowMatchEulerDiscreteScheduler:
-    """FLUX.2's scheduler: the pipelines pass `mu` (compute_empirical_mu), which needs dynamic shifting."""
-    return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential",
-    )  # fmt: skip
 
 
 def _qwen25vl_config(tokenizer: PreTrainedTokenizerBase, shape: TextShape) -> Qwen2_5_VLConfig:
@@ -199,7 +193,7 @@ def flux2_klein_components(transformer: ModelMixin, *, text: TextShape, vae: Mod
     LM (FLUX2_KLEIN_TEXT_LAYERS deep: three layers stacked, joint_attention_dim = 3 * `text.width`), Qwen3's chat
     tokenizer, FLUX.2's scheduler."""
     return _around(
-        transformer, vae, flux2_scheduler(), qwen3_chat_tokenizer(),
+        transformer, vae, flux_dev_scheduler(), qwen3_chat_tokenizer(),
         lambda tokenizer: Qwen3ForCausalLM(_qwen3_config(tokenizer, text)), is_distilled=True,
     )  # fmt: skip
 
@@ -208,6 +202,6 @@ def flux2_dev_components(transformer: ModelMixin, *, text: TextShape, vae: Model
     """A ``Flux2Pipeline``'s components around `transformer`: a Mistral 3 model (FLUX2_DEV_TEXT_LAYERS deep: three
     layers stacked, joint_attention_dim = 3 * `text.width`), the tekken-like tokenizer, FLUX.2's scheduler."""
     return _around(
-        transformer, vae, flux2_scheduler(), flux2_dev_tokenizer(),
+        transformer, vae, flux_dev_scheduler(), flux2_dev_tokenizer(),
         lambda tokenizer: Mistral3ForConditionalGeneration(_mistral3_config(tokenizer, text)),
     )  # fmt: skip

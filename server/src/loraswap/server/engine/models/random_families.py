@@ -35,15 +35,16 @@ from loraswap.server.engine.models.family_components import (
     FLUX2_KLEIN_TEXT_LAYERS,
     TextShape,
     flux2_klein_components,
+    flux2_vae,
     qwen_image_components,
     qwen_image_vae,
     z_image_components,
 )
 from loraswap.server.engine.models.random_weights import (
+    STAND_IN_VAE_LEVELS,
     assemble_around,
     depth_cut,
     flux1_stand_in_vae,
-    flux2_stand_in_vae,
     random_denoiser,
 )
 
@@ -75,6 +76,11 @@ FLUX2_KLEIN_4B_TRANSFORMER_CONFIG: dict[str, Any] = dict(
 )  # fmt: skip
 # Single-stream blocks per double-stream block in klein-4B (20 : 5), kept at every depth.
 _KLEIN_SINGLE_PER_DOUBLE = 4
+
+
+def _flux2_stand_in_vae() -> torch.nn.Module:
+    """A tiny FLUX.2 VAE with the real one's shape rules: 32 latent channels, downscale factor 8."""
+    return flux2_vae(latent_channels=32, **STAND_IN_VAE_LEVELS)
 
 
 def _random_qwen_image_transformer(torch_dtype: torch.dtype, layers: int | None) -> QwenImageTransformer2DModel:
@@ -118,7 +124,7 @@ def _z_image_stand_ins(transformer: ModelMixin) -> dict[str, Any]:
 
 def _flux2_klein_stand_ins(transformer: ModelMixin) -> dict[str, Any]:
     text = TextShape(width=2560, layers=FLUX2_KLEIN_TEXT_LAYERS, head_dim=64, intermediate=32)
-    return flux2_klein_components(transformer, text=text, vae=flux2_stand_in_vae())
+    return flux2_klein_components(transformer, text=text, vae=_flux2_stand_in_vae())
 
 
 # name: (the pipeline class, its transformer builder (dtype, layers), the stand-ins around the transformer)

@@ -15,23 +15,22 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLFlux2, DiffusionPipeline, ModelMixin
+from diffusers import AutoencoderKL, DiffusionPipeline, ModelMixin
 
 from loraswap.server.engine.models.components import named_pipeline, private_rng, tiny_vae
-from loraswap.server.engine.models.family_components import flux2_vae
 
 __all__ = [
+    "STAND_IN_VAE_LEVELS",
     "assemble_around",
     "depth_cut",
     "fill_random",
     "flux1_stand_in_vae",
-    "flux2_stand_in_vae",
     "random_denoiser",
     "sdxl_stand_in_vae",
 ]
 
 # The stand-in VAEs' levels: four give the real VAEs' downscale factor of 8, with tiny widths.
-_STAND_IN_VAE_LEVELS: dict[str, Any] = dict(block_out_channels=(8, 8, 16, 16), sample_size=128)
+STAND_IN_VAE_LEVELS: dict[str, Any] = dict(block_out_channels=(8, 8, 16, 16), sample_size=128)
 
 _SEED = 0
 _INIT_STD = 0.02
@@ -85,7 +84,7 @@ def random_denoiser(name: str, cls: type[ModelMixin], config: dict[str, Any], to
 
 def sdxl_stand_in_vae() -> AutoencoderKL:
     """A tiny VAE with SDXL's shape rules: 4 latent channels, downscale factor 8, its scaling factor."""
-    return tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None, **_STAND_IN_VAE_LEVELS)
+    return tiny_vae(latent_channels=4, scaling_factor=0.13025, shift_factor=None, **STAND_IN_VAE_LEVELS)
 
 
 def flux1_stand_in_vae() -> AutoencoderKL:
@@ -93,12 +92,7 @@ def flux1_stand_in_vae() -> AutoencoderKL:
 
     Z-Image's VAE is FLUX.1's too.
     """
-    return tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, **_STAND_IN_VAE_LEVELS)
-
-
-def flux2_stand_in_vae() -> AutoencoderKLFlux2:
-    """A tiny FLUX.2 VAE with the real one's shape rules: 32 latent channels, downscale factor 8."""
-    return flux2_vae(latent_channels=32, **_STAND_IN_VAE_LEVELS)
+    return tiny_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, **STAND_IN_VAE_LEVELS)
 
 
 def assemble_around(

@@ -56,7 +56,8 @@ class BuiltinModel:
     # (torch dtype, layers or None) -> the pipeline on CPU, identical on every call.
     builder: Callable[[Any, int | None], Any]
     defaults: ModelDefaults
-    # The base model adapters for it declare (GetServerInfo's base_model), in adapters/sources/base_model.py's vocabulary.
+    # The base model adapters for it declare (GetServerInfo's base_model), in the vocabulary of
+    # adapters/sources/base_model.py.
     base_model: str
     # The dtype it serves in when --dtype is unset; None: bfloat16 on CUDA, float32 on CPU.
     dtype: str | None = None

@@ -24,8 +24,10 @@ _EOS = "<|endoftext|>"
 def bytes_to_unicode() -> list[str]:
     """GPT-2/CLIP byte-to-printable-character table, in byte order (also Qwen's and Mistral's byte-level BPE)."""
     printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )  # fmt: skip
     mapping: dict[int, int] = {b: b for b in printable}
     extra = 0
     for b in range(256):
