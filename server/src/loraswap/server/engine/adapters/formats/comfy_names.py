@@ -17,11 +17,9 @@ as layers the model does not have. FLUX.1 and SDXL files in these prefixes go to
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from loraswap.server.engine.adapters.formats.key_layouts import LAYER_TENSORS, UNSUPPORTED_KIND_TENSORS
+from loraswap.server.engine.adapters.formats.key_layouts import LAYER_NAME, LAYER_TENSORS, UNSUPPORTED_KIND_TENSORS
 from loraswap.server.engine.errors import AdapterFormatError, shorten
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.types import ModelFamily
@@ -40,7 +38,6 @@ _TENSOR_NAMES = {
     **{name: name for name in LAYER_TENSORS | UNSUPPORTED_KIND_TENSORS.keys() if name != "weight"},
 }
 _BY_LENGTH = sorted(_TENSOR_NAMES, key=len, reverse=True)  # the longest name a key ends in is its tensor's
-_KOHYA_LAYER = re.compile(r"[A-Za-z0-9_]+")
 
 
 def _split(path_and_tensor: str) -> tuple[str, str] | None:
@@ -71,7 +68,7 @@ def comfy_as_kohya(
     for key in prefixed:
         prefix = next(prefix for prefix in MODEL_PREFIXES if key.startswith(prefix))
         split = _split(key[len(prefix) :])
-        if split is None or not _KOHYA_LAYER.fullmatch(flat := split[0].replace(".", "_")):
+        if split is None or not LAYER_NAME.fullmatch(flat := split[0].replace(".", "_")):
             return state_dict, {}
         renamed[key] = (f"{KOHYA_PREFIX}_{flat}.{split[1]}", prefix + split[0])
     result = {key: value for key, value in state_dict.items() if key not in renamed}

@@ -44,7 +44,7 @@ UNSUPPORTED_KIND_TENSORS = {
     "lokr_t1": "LoKr with a Tucker core on w1",
 }  # fmt: skip
 BOFT = "BOFT (butterfly orthogonal fine-tuning)"
-_LAYER_NAME = re.compile(r"[A-Za-z0-9_]+")
+LAYER_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 def _unsupported_kind(name: str, tensor: torch.Tensor) -> str:
@@ -86,7 +86,7 @@ class FileLayer:
 
 def _split_key(key: str) -> tuple[str, str] | None:
     layer, _, tensor = key.partition(".")
-    return (layer, tensor) if tensor and _LAYER_NAME.fullmatch(layer) else None
+    return (layer, tensor) if tensor and LAYER_NAME.fullmatch(layer) else None
 
 
 def _component_of(layer: str, prefixes: Mapping[str, str]) -> tuple[str, str] | None:
