@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxPipeline
+from diffusers import Flux2Pipeline, FluxPipeline, QwenImagePipeline
 from PIL import Image
 
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.errors import InvalidRequestError
-from loraswap.server.engine.families import FLUX, FLUX_LATENT_RGB, SDXL, SDXL_LATENT_RGB
+from loraswap.server.engine.families import FLUX, FLUX2, FLUX_LATENT_RGB, QWEN_IMAGE, SDXL, SDXL_LATENT_RGB, Z_IMAGE
 from loraswap.server.engine.models import BUILTINS, latent_rgb
 from loraswap.server.engine.models.shapes import SHAPES_LATENT_RGB
 from loraswap.server.engine.pipeline.previews import MAX_PREVIEW_SIDE, LatentPreviewer, preview_size
@@ -39,7 +39,9 @@ def expected_pixel(projection: LatentRgb, channel: int, value: float = 1.0) -> n
 
 
 @pytest.mark.parametrize(
-    "projection", [SDXL_LATENT_RGB, FLUX_LATENT_RGB, SHAPES_LATENT_RGB], ids=["sdxl", "flux", "shapes"]
+    "projection",
+    [SDXL_LATENT_RGB, FLUX_LATENT_RGB, QWEN_IMAGE.latent_rgb, FLUX2.latent_rgb, SHAPES_LATENT_RGB],
+    ids=["sdxl", "flux", "qwen-image", "flux2", "shapes"],
 )
 def test_a_one_hot_latent_pixel_is_its_channels_factors_plus_the_bias(projection: LatentRgb) -> None:
     channels = projection.channels
@@ -58,6 +60,12 @@ def test_the_families_carry_the_published_factors() -> None:
     assert SDXL.latent_rgb.factors[0] == (0.3651, 0.4232, 0.4341) and SDXL.latent_rgb.bias == (0.1084, -0.0175, -0.0011)
     assert FLUX.latent_rgb.factors[-1] == (-0.1262, -0.0982, -0.0778)
     assert FLUX.latent_rgb.bias == (-0.0329, -0.0718, -0.0851)
+    # Qwen-Image keeps Wan 2.1's VAE latent space; FLUX.2's VAE has 32 channels; Z-Image uses FLUX.1's VAE.
+    assert (QWEN_IMAGE.latent_rgb.channels, FLUX2.latent_rgb.channels) == (16, 32)
+    assert QWEN_IMAGE.latent_rgb.factors[0] == (-0.1299, -0.1692, 0.2932)
+    assert QWEN_IMAGE.latent_rgb.bias == (-0.1835, -0.0868, -0.3360)
+    assert FLUX2.latent_rgb.factors[3] == (0.2144, 0.3009, 0.3652) and FLUX2.latent_rgb.factors[-1][-1] == -0.0614
+    assert Z_IMAGE.latent_rgb == FLUX_LATENT_RGB
 
 
 def test_a_builtin_with_its_own_vae_brings_its_own_factors_others_their_familys() -> None:
@@ -85,6 +93,40 @@ def test_flux_packed_latents_are_unpacked_before_the_projection() -> None:
     assert torch.equal(from_packed, direct.pixels(spatial, 48, 80))
     # Not the same picture when read without unpacking: the test would notice a wrong unpack.
     assert not torch.equal(from_packed, direct.pixels(spatial.flip(-1), 48, 80))
+
+
+def test_qwen_image_packed_latents_are_unpacked_before_the_projection() -> None:
+    spatial = torch.randn(1, 16, 6, 10, generator=torch.Generator().manual_seed(1))  # a 48x80 image's latents
+    packed = QwenImagePipeline._pack_latents(spatial, 1, 16, 6, 10)
+    pipe = SimpleNamespace(_unpack_latents=QwenImagePipeline._unpack_latents, vae_scale_factor=8)
+    projection = QWEN_IMAGE.latent_rgb
+    unpacking = LatentPreviewer(
+        projection, 16, CPU, lambda latents, h, w: QWEN_IMAGE.spatial_latents(pipe, latents, h, w)
+    )
+
+    from_packed = unpacking.pixels(packed, 48, 80)
+    assert from_packed.shape == (6, 10, 3)
+    assert torch.equal(from_packed, LatentPreviewer(projection, 16, CPU).pixels(spatial, 48, 80))
+
+
+def test_flux2_tokens_are_unpatchified_into_the_vaes_channels_before_the_projection() -> None:
+    # The transformer sees 128 channels, each VAE channel's 2x2 patch, a token per patch in row-major order; the
+    # factors are the VAE's 32 channels' (ComfyUI un-patchifies the same way before applying them).
+    spatial = torch.randn(1, 32, 6, 10, generator=torch.Generator().manual_seed(2))  # a 48x80 image's VAE latents
+    tokens = Flux2Pipeline._pack_latents(Flux2Pipeline._patchify_latents(spatial))
+    assert tokens.shape == (1, 15, 128)
+    pipe = SimpleNamespace(_unpatchify_latents=Flux2Pipeline._unpatchify_latents, vae_scale_factor=8)
+    projection = FLUX2.latent_rgb
+    unpatchifying = LatentPreviewer(
+        projection, 32, CPU, lambda latents, h, w: FLUX2.spatial_latents(pipe, latents, h, w)
+    )
+
+    from_tokens = unpatchifying.pixels(tokens, 48, 80)
+    assert from_tokens.shape == (6, 10, 3)
+    assert torch.equal(from_tokens, LatentPreviewer(projection, 32, CPU).pixels(spatial, 48, 80))
+    assert not torch.equal(
+        from_tokens, LatentPreviewer(projection, 32, CPU).pixels(spatial.transpose(2, 3).reshape(1, 32, 6, 10), 48, 80)
+    )
 
 
 @pytest.mark.parametrize(

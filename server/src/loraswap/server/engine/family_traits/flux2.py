@@ -38,8 +38,22 @@ class Flux2Traits(PatchifiedTraits):
         return pipe._unpatchify_latents(patches)
 
 
-# FLUX.2's VAE has 32 latent channels; no published projection is carried yet: previews are grey.
-FLUX2_LATENT_RGB = LatentRgb.grey(32)
+# Published latent-to-RGB factors of FLUX.2's VAE latent space (ComfyUI, comfy/latent_formats.py: Flux2), one row
+# per VAE channel: ComfyUI applies them after un-patchifying the 128 channels the transformer sees into 32 at twice
+# the resolution, as spatial_latents does. They apply to latents as the pipeline denoises them (batch-normalised).
+FLUX2_LATENT_RGB = LatentRgb(
+    factors=(
+        (0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.0096, 0.0644), (0.2144, 0.3009, 0.3652),
+        (0.0166, -0.0039, -0.0054), (0.0157, 0.0103, -0.0160), (-0.0398, 0.0902, -0.0235), (-0.0052, 0.0095, 0.0109),
+        (-0.3527, -0.2712, -0.1666), (-0.0301, -0.0356, -0.0180), (-0.0107, 0.0078, 0.0013), (0.0746, 0.0090, -0.0941),
+        (0.0156, 0.0169, 0.0070), (-0.0034, -0.0040, -0.0114), (0.0032, 0.0181, 0.0080), (-0.0939, -0.0008, 0.0186),
+        (0.0018, 0.0043, 0.0104), (0.0284, 0.0056, -0.0127), (-0.0024, -0.0022, -0.0030), (0.1207, -0.0026, 0.0065),
+        (0.0128, 0.0101, 0.0142), (0.0137, -0.0072, -0.0007), (0.0095, 0.0092, -0.0059), (0.0000, -0.0077, -0.0049),
+        (-0.0465, -0.0204, -0.0312), (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025), (0.0220, 0.0169, -0.0048),
+        (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609), (-0.0076, 0.0003, -0.0043), (-0.0111, -0.0460, -0.0614),
+    ),
+    bias=(-0.0329, -0.0718, -0.0851),
+)  # fmt: skip
 
 FLUX2 = Flux2Traits(
     family=ModelFamily.FLUX2,

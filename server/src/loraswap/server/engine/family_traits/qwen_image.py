@@ -32,8 +32,18 @@ class QwenImageTraits(PatchifiedTraits):
         return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)[:, :, 0]
 
 
-# Qwen-Image's VAE (Wan 2.1's) has 16 latent channels; no published projection is carried yet: previews are grey.
-QWEN_IMAGE_LATENT_RGB = LatentRgb.grey(16)
+# Published latent-to-RGB factors of Wan 2.1's VAE latent space, which Qwen-Image's VAE keeps (ComfyUI,
+# comfy/latent_formats.py: Wan21, the format its QwenImage model declares), for latents as the pipeline denoises them
+# (normalised by the VAE's latents_mean and latents_std).
+QWEN_IMAGE_LATENT_RGB = LatentRgb(
+    factors=(
+        (-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.0442), (0.3568, 0.2548, 0.1747), (0.0372, 0.2344, 0.1420),
+        (0.0313, 0.0189, -0.0328), (0.0296, -0.0956, -0.0665), (-0.3477, -0.4059, -0.2925), (0.0166, 0.1902, 0.1975),
+        (-0.0412, 0.0267, -0.1364), (-0.1293, 0.0740, 0.1636), (0.0680, 0.3019, 0.1128), (0.0032, 0.0581, 0.0639),
+        (-0.1251, 0.0927, 0.1699), (0.0060, -0.0633, 0.0005), (0.3477, 0.2275, 0.2950), (0.1984, 0.0913, 0.1861),
+    ),
+    bias=(-0.1835, -0.0868, -0.3360),
+)  # fmt: skip
 
 QWEN_IMAGE = QwenImageTraits(
     family=ModelFamily.QWEN_IMAGE,
