@@ -41,7 +41,9 @@ def test_choose_fused(policy, fusing, has_adapters, bucket, unfused, merge, fuse
     assert chosen is fused
 
 
-COSTS = DeviceCosts(lora_call_ns=1000.0, lora_mac_ns=0.01, merge_layer_ns=10_000.0, merge_byte_ns=0.1, merge_mac_ns=0.001)
+COSTS = DeviceCosts(
+    lora_call_ns=1000.0, lora_mac_ns=0.01, merge_layer_ns=10_000.0, merge_byte_ns=0.1, merge_mac_ns=0.001
+)
 WORK = LoraWork(calls=10, macs_per_pixel=100.0, fixed_macs=50_000.0)
 
 
@@ -88,5 +90,23 @@ def test_a_request_whose_guidance_halves_the_batch_halves_the_rows_not_the_calls
     half = WORK.at_batch(0.5)
     assert (half.calls, half.macs_per_pixel, half.fixed_macs) == (WORK.calls, 50.0, 25_000.0)
     assert unfused_ms(COSTS, half, 16, 1, 64 * 64) < unfused_ms(COSTS, WORK, 16, 1, 64 * 64)
-    assert (SDXL.guidance_batch(5.0), SDXL.guidance_batch(1.0), SDXL.guidance_batch(0.0)) == (2, 1, 1)
-    assert FLUX.guidance_batch(3.5) == FLUX.guidance_batch(1.0) == 1
+    sdxl, flux = object(), object()  # pipelines these families' rules do not read
+    assert (SDXL.guidance_batch(sdxl, 5.0), SDXL.guidance_batch(sdxl, 1.0), SDXL.guidance_batch(sdxl, 0.0)) == (2, 1, 1)
+    assert FLUX.guidance_batch(flux, 3.5) == FLUX.guidance_batch(flux, 1.0) == 1
+
+
+def test_only_flux2_klein_base_runs_classifier_free_guidance_and_warms_up_both_ways() -> None:
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+
+    from loraswap.server.engine.families import FLUX2
+    from loraswap.server.engine.types import ModelDefaults
+
+    components = dict.fromkeys(("scheduler", "vae", "text_encoder", "tokenizer", "transformer"))
+    base = Flux2KleinPipeline(**components, is_distilled=False)
+    distilled = Flux2KleinPipeline(**components, is_distilled=True)
+    dev = Flux2Pipeline(**components)
+    defaults = ModelDefaults(1024, 1024, 50, 4.0, 512)
+    assert (FLUX2.guidance_batch(base, 4.0), FLUX2.guidance_batch(base, 1.0)) == (2, 1)
+    assert FLUX2.guidance_batch(distilled, 4.0) == FLUX2.guidance_batch(dev, 4.0) == 1
+    assert FLUX2.warm_up_guidance(base, defaults) == (4.0, 1.0)
+    assert FLUX2.warm_up_guidance(distilled, defaults) == FLUX2.warm_up_guidance(dev, defaults) == (None,)

@@ -94,18 +94,25 @@ class FamilyTraits:
         """The pipeline arguments, beyond those every family takes, that carry the guidance and the negative prompt."""
         raise NotImplementedError
 
-    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
+    def classifier_free_guidance_above(self, pipe) -> float | None:
+        """The guidance above which this pipeline runs classifier-free guidance; None: it never does. The family's
+        `guidance_above` unless its pipelines differ (FLUX.2: only klein's base models do)."""
+        return self.guidance_above
+
+    def warm_up_guidance(self, pipe, defaults: ModelDefaults) -> tuple[float | None, ...]:
         """The guidance settings (None: the default) a warm-up runs at each size so no later guidance compiles."""
-        if self.guidance_above is None:
+        above = self.classifier_free_guidance_above(pipe)
+        if above is None:
             return (None,)
         # Guidance on runs a second image per step and off does not, a size-1 dimension torch specialises: each
         # size needs both.
-        above = self.guidance_above
         return (defaults.guidance_scale if defaults.guidance_scale > above else WARM_UP_GUIDANCE, above)
 
-    def guidance_batch(self, guidance: float) -> int:
-        """How many images the denoiser computes per step at this guidance scale (classifier-free guidance: 2)."""
-        return 2 if self.guidance_above is not None and guidance > self.guidance_above else 1
+    def guidance_batch(self, pipe, guidance: float) -> int:
+        """How many images the denoiser computes per step at this guidance scale (classifier-free guidance: 2, as a
+        batch of 2 or as a second call)."""
+        above = self.classifier_free_guidance_above(pipe)
+        return 2 if above is not None and guidance > above else 1
 
     def latent_channels(self, pipe) -> int:
         """The channels of the latents spatial_latents gives (the VAE's latent space)."""

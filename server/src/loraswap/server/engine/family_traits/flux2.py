@@ -27,9 +27,12 @@ class Flux2Traits(PatchifiedTraits):
     def pipeline_kwargs(self, negative_prompt: str, guidance_scale: float, defaults: ModelDefaults) -> dict[str, Any]:
         return {"guidance_scale": guidance_scale}
 
-    def warm_up_guidance(self, defaults: ModelDefaults) -> tuple[float | None, ...]:
-        # klein base runs guidance above 1 as a second call: cover both when the model's default is above 1.
-        return (defaults.guidance_scale, 1.0) if defaults.guidance_scale > 1.0 else (None,)
+    def classifier_free_guidance_above(self, pipe) -> float | None:
+        # klein's base models run guidance above 1 as a second call against an empty prompt (Flux2KleinPipeline's
+        # do_classifier_free_guidance); dev embeds its guidance and klein's distilled models ignore it.
+        from diffusers import Flux2KleinPipeline
+
+        return 1.0 if isinstance(pipe, Flux2KleinPipeline) and not pipe.config.is_distilled else None
 
     def spatial_latents(self, pipe, latents, height: int, width: int):
         # Tokens in row-major order, each a 2x2 patch of the VAE's channels: (batch, tokens, channels * 4).

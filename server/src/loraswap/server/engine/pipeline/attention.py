@@ -144,7 +144,7 @@ def attention_shape(loaded: LoadedModel, size: int | None = None) -> AttentionSh
     text_tokens = defaults.max_sequence_length or _call_default(loaded.pipe, "max_sequence_length") or 0
     height, width = (size, size) if size is not None else (defaults.height, defaults.width)
     return AttentionShape(
-        batch=loaded.traits.guidance_batch(defaults.guidance_scale),
+        batch=loaded.traits.guidance_batch(loaded.pipe, defaults.guidance_scale),
         heads=heads,
         tokens=(height // multiple) * (width // multiple) + text_tokens,
         head_dim=head_dim,

@@ -27,8 +27,10 @@ COUNT_PROMPT = "a counted step"
 def work_at_guidance(loaded: LoadedModel, work: LoraWork, guidance: float) -> LoraWork:
     """`work` (counted at the default guidance) for a request at `guidance`: its rows scaled by the denoiser's batch
     there over the counted one's (SDXL's classifier-free guidance on or off)."""
-    traits = loaded.traits
-    return work.at_batch(traits.guidance_batch(guidance) / traits.guidance_batch(loaded.defaults.guidance_scale))
+    traits, pipe = loaded.traits, loaded.pipe
+    return work.at_batch(
+        traits.guidance_batch(pipe, guidance) / traits.guidance_batch(pipe, loaded.defaults.guidance_scale)
+    )
 
 
 # The guidance whose denoiser batch is the smallest (no classifier-free guidance): the cheapest unfused step.

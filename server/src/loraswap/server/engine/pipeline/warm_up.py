@@ -45,7 +45,7 @@ def warm_up(
     requests = warm_up_requests(
         loaded.request_rules,
         traits.upsample_period(loaded.pipe),
-        traits.warm_up_guidance(loaded.defaults),
+        traits.warm_up_guidance(loaded.pipe, loaded.defaults),
         traits.text_length_varies,
         traits.token_padding(loaded.pipe),
     )
