@@ -62,7 +62,16 @@ SPELLINGS = [
     ("chroma", "lodestones/Chroma"),
     # Unknown: taken verbatim as a Hub id of its own (only a slash-suffix ModelSpec adapter kind is dropped).
     ("my-org/flux-finetune", "my-org/flux-finetune"),
-    ("flux2-klein-9b/lora", "flux2-klein-9b"),
+    ("flux-2-finetune/lora", "flux-2-finetune"),
+    # The newer families as musubi-tuner's ModelSpec writes them, and Hub ids.
+    ("Qwen-Image/lora", "Qwen/Qwen-Image"),
+    ("Qwen-Image-Edit-Plus/lora", "Qwen/Qwen-Image-Edit-2509"),
+    ("Qwen-Image-Edit-2511/lora", "Qwen/Qwen-Image-Edit-2511"),
+    ("Z-Image/lora", "Tongyi-MAI/Z-Image"),
+    ("Tongyi-MAI/Z-Image-Turbo", "Tongyi-MAI/Z-Image-Turbo"),
+    ("Flux.2-dev/lora", "black-forest-labs/FLUX.2-dev"),
+    ("Flux.2-klein-4b/lora", "black-forest-labs/FLUX.2-klein-4B"),
+    ("flux2-klein-9b/lora", "black-forest-labs/FLUX.2-klein-9B"),
     ("  sdxl_base_v1-0  ", SDXL_BASE),
 ]
 
@@ -91,6 +100,14 @@ FITS = [
     ("My-Org/Flux-Finetune", "my-org/flux-finetune", True),
     (FLUX_DEV, "my-org/flux-finetune", False),
     ("flux1", "loraswap/shapes", False),
+    ("Z-Image/lora", "Tongyi-MAI/Z-Image-Turbo", True),  # Turbo is distilled from Base: one transformer
+    ("Qwen-Image/lora", "Qwen/Qwen-Image-2512", True),
+    ("Qwen-Image-Edit-Plus/lora", "Qwen/Qwen-Image", False),  # Edit models are trained on other inputs
+    ("Qwen-Image-Edit-Plus/lora", "Qwen/Qwen-Image-Edit-2511", True),
+    ("Flux.2-klein-4b/lora", "black-forest-labs/FLUX.2-klein-base-4B", True),
+    ("Flux.2-klein-4b/lora", "black-forest-labs/FLUX.2-klein-9B", False),  # other widths
+    ("Flux.2-dev/lora", "black-forest-labs/FLUX.2-klein-9B", False),
+    ("flux1", "black-forest-labs/FLUX.2-dev", False),
 ]
 
 
@@ -317,3 +334,19 @@ def test_local_model_card_is_the_adapter_folders_own(tmp_path) -> None:
     directory = LocalAdapterDirectory(root)
     assert directory.find("styled").model_card == root / "styled" / "README.md"
     assert directory.find("loose").model_card is None
+
+
+@pytest.mark.parametrize(
+    ("model", "fits", "refused"),
+    [("tiny-qwen-image", "Qwen-Image/lora", "Qwen-Image-Edit-Plus/lora"),
+     ("tiny-z-image", "Z-Image/lora", "Flux.2-klein-4b/lora"),
+     ("tiny-flux2", "Flux.2-dev/lora", "Flux.2-klein-9b/lora"),
+     ("tiny-flux2-klein", "Flux.2-klein-4b/lora", "Flux.2-dev/lora")],
+)  # fmt: skip
+def test_the_newer_families_builtins_take_their_own_bases_musubi_files(tmp_path, model, fits, refused) -> None:
+    # What musubi-tuner writes in modelspec.architecture, checked against the base the built-in serves.
+    policy = BaseModelPolicy(served_base_model(model))
+    policy.check(_adapter(tmp_path, {"modelspec.architecture": fits}))
+    with pytest.raises(BaseModelMismatchError) as caught:
+        policy.check(_adapter(tmp_path, {"modelspec.architecture": refused}))
+    assert caught.value.reason == ErrorReason.BASE_MODEL_MISMATCH and repr(refused) in caught.value.message

@@ -107,16 +107,18 @@ _KNOWN_BASES: tuple[_KnownBase, ...] = (
     _KnownBase(QWEN_IMAGE, "qwen-image", ("qwen-image", "qwen_image")),
     _KnownBase("Qwen/Qwen-Image-2512", "qwen-image"),
     _KnownBase("Qwen/Qwen-Image-Edit", "qwen-image-edit", ("qwen-image-edit", "qwen_image_edit")),
-    _KnownBase("Qwen/Qwen-Image-Edit-2509", "qwen-image-edit"),
-    _KnownBase("Qwen/Qwen-Image-Edit-2511", "qwen-image-edit"),
+    # musubi-tuner's ModelSpec architectures: "Qwen-Image-Edit-Plus" is 2509's (QwenImageEditPlusPipeline).
+    _KnownBase("Qwen/Qwen-Image-Edit-2509", "qwen-image-edit", ("qwen-image-edit-plus", "qwen-image-edit-2509")),
+    _KnownBase("Qwen/Qwen-Image-Edit-2511", "qwen-image-edit", ("qwen-image-edit-2511",)),
     # Turbo is distilled from Base with the same transformer: LoRAs trained on either are used on both.
     _KnownBase(Z_IMAGE_TURBO, "z-image", ("z-image-turbo", "z_image_turbo")),
     _KnownBase("Tongyi-MAI/Z-Image", "z-image", ("z-image", "z_image")),
     # FLUX.2's sizes are different networks (widths 6144, 3072, 4096): a LoRA fits its own size only.
+    # ("Flux.2-dev", "Flux.2-klein-4b", ... are musubi-tuner's ModelSpec architectures.)
     _KnownBase(FLUX2_DEV, "flux2-dev", ("flux-2-dev", "flux2-dev")),
-    _KnownBase(FLUX2_KLEIN_4B, "flux2-klein-4b", ("flux-2-klein-4b",)),
+    _KnownBase(FLUX2_KLEIN_4B, "flux2-klein-4b", ("flux-2-klein-4b", "flux2-klein-4b")),
     _KnownBase("black-forest-labs/FLUX.2-klein-base-4B", "flux2-klein-4b", ("flux-2-klein-base-4b",)),
-    _KnownBase("black-forest-labs/FLUX.2-klein-9B", "flux2-klein-9b", ("flux-2-klein-9b",)),
+    _KnownBase("black-forest-labs/FLUX.2-klein-9B", "flux2-klein-9b", ("flux-2-klein-9b", "flux2-klein-9b")),
     _KnownBase("black-forest-labs/FLUX.2-klein-base-9B", "flux2-klein-9b", ("flux-2-klein-base-9b",)),
     # Chroma is pruned from FLUX.1-schnell (no modulation layers): FLUX.1 LoRAs do not fit it.
     _KnownBase("lodestones/Chroma", "chroma", ("chroma",)),
