@@ -95,38 +95,33 @@ def test_flux_packed_latents_are_unpacked_before_the_projection() -> None:
     assert not torch.equal(from_packed, direct.pixels(spatial.flip(-1), 48, 80))
 
 
-def test_qwen_image_packed_latents_are_unpacked_before_the_projection() -> None:
-    spatial = torch.randn(1, 16, 6, 10, generator=torch.Generator().manual_seed(1))  # a 48x80 image's latents
-    packed = QwenImagePipeline._pack_latents(spatial, 1, 16, 6, 10)
-    pipe = SimpleNamespace(_unpack_latents=QwenImagePipeline._unpack_latents, vae_scale_factor=8)
-    projection = QWEN_IMAGE.latent_rgb
+# How each newer family's pipeline turns a 48x80 image's VAE latents (channels, 6, 10) into what its loop holds:
+# Qwen-Image packs 2x2 patches into tokens; FLUX.2 patchifies 2x2 into 128 channels, then a token per patch.
+PACKERS = {
+    "qwen-image": (QWEN_IMAGE, 16, lambda spatial: QwenImagePipeline._pack_latents(spatial, 1, 16, 6, 10),
+                   SimpleNamespace(_unpack_latents=QwenImagePipeline._unpack_latents, vae_scale_factor=8)),
+    "flux2": (FLUX2, 32, lambda spatial: Flux2Pipeline._pack_latents(Flux2Pipeline._patchify_latents(spatial)),
+              SimpleNamespace(_unpatchify_latents=Flux2Pipeline._unpatchify_latents, vae_scale_factor=8)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(PACKERS))
+def test_the_newer_families_loop_latents_become_the_vaes_channels_before_the_projection(family: str) -> None:
+    # The factors are the VAE's channels' (ComfyUI un-patchifies FLUX.2's 128 channels the same way before them).
+    traits, channels, pack, pipe = PACKERS[family]
+    spatial = torch.randn(1, channels, 6, 10, generator=torch.Generator().manual_seed(1))
+    packed = pack(spatial)
+    assert packed.shape == (1, 15, channels * 4)
+    projection = traits.latent_rgb
     unpacking = LatentPreviewer(
-        projection, 16, CPU, lambda latents, h, w: QWEN_IMAGE.spatial_latents(pipe, latents, h, w)
+        projection, channels, CPU, lambda latents, h, w: traits.spatial_latents(pipe, latents, h, w)
     )
+    direct = LatentPreviewer(projection, channels, CPU)
 
     from_packed = unpacking.pixels(packed, 48, 80)
     assert from_packed.shape == (6, 10, 3)
-    assert torch.equal(from_packed, LatentPreviewer(projection, 16, CPU).pixels(spatial, 48, 80))
-
-
-def test_flux2_tokens_are_unpatchified_into_the_vaes_channels_before_the_projection() -> None:
-    # The transformer sees 128 channels, each VAE channel's 2x2 patch, a token per patch in row-major order; the
-    # factors are the VAE's 32 channels' (ComfyUI un-patchifies the same way before applying them).
-    spatial = torch.randn(1, 32, 6, 10, generator=torch.Generator().manual_seed(2))  # a 48x80 image's VAE latents
-    tokens = Flux2Pipeline._pack_latents(Flux2Pipeline._patchify_latents(spatial))
-    assert tokens.shape == (1, 15, 128)
-    pipe = SimpleNamespace(_unpatchify_latents=Flux2Pipeline._unpatchify_latents, vae_scale_factor=8)
-    projection = FLUX2.latent_rgb
-    unpatchifying = LatentPreviewer(
-        projection, 32, CPU, lambda latents, h, w: FLUX2.spatial_latents(pipe, latents, h, w)
-    )
-
-    from_tokens = unpatchifying.pixels(tokens, 48, 80)
-    assert from_tokens.shape == (6, 10, 3)
-    assert torch.equal(from_tokens, LatentPreviewer(projection, 32, CPU).pixels(spatial, 48, 80))
-    assert not torch.equal(
-        from_tokens, LatentPreviewer(projection, 32, CPU).pixels(spatial.transpose(2, 3).reshape(1, 32, 6, 10), 48, 80)
-    )
+    assert torch.equal(from_packed, direct.pixels(spatial, 48, 80))
+    assert not torch.equal(from_packed, direct.pixels(spatial.flip(-1), 48, 80))
 
 
 @pytest.mark.parametrize(
