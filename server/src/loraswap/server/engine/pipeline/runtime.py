@@ -83,7 +83,7 @@ class DiffusionRuntime:
         self._runner = PipelineRunner(loaded, compiled)
         self._slot_spec = self.residency.spec(
             loaded.traits.family, loaded.dtype, loaded.device, installed.model_layers,
-            strict=config.strict_adapters,
+            strict=config.strict_adapters, text_encoder_layers=config.text_encoder_layers,
         )  # fmt: skip
         self._static_facts = _static_facts(config, loaded, installed, weights, compiled, self._slot_spec)
         self.snapshot = self._take_snapshot()

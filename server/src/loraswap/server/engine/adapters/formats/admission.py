@@ -6,7 +6,9 @@ of a slot layer, of at most the slot's max rank, goes into the slot as a `Canoni
 in the model's dtype, alpha/rank baked into b). When the server fuses (`SlotSpec.fuse`), DoRA magnitudes, trained
 lora_B biases, ranks above the slot's and changes of layers the slot does not cover are admitted too and the
 adapter does not fit the slot (`fits_slot`); when it does not fuse, they are refused with the restart that would
-serve them. Text-encoder layers are kept or dropped per --text-encoder-layers (refused under --strict-adapters).
+serve them. Text-encoder layers are kept or dropped per --text-encoder-layers (refused under --strict-adapters),
+and refused under apply where nothing merges them (`admit_text_encoder_layers`: a family diffusers loads no
+text-encoder LoRA for, whose files' text-encoder parts text_encoder_parts.py sets apart).
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ class SlotSpec:
     biased_layers: frozenset[str] = frozenset()  # slot layers whose base layer has a bias (lora_B.bias fuses there)
     # Every layer of the denoiser and the text encoders a merge can reach (what file layers resolve against).
     model_layers: ModelLayers = field(default_factory=lambda: ModelLayers({}))
-    # --text-encoder-layers: "apply" (merged into the text encoders) or "ignore" (dropped with a warning).
+    # --text-encoder-layers as configured: "apply" (merged into the text encoders) or "ignore" (dropped with a warning).
     text_encoder_layers: str = "apply"
+    # Whether this server can merge text-encoder layers: it has a writer for them (--text-encoder-layers apply, and a
+    # pipeline with text encoders diffusers loads LoRA into). Under apply, layers nothing merges are refused.
+    merges_text_encoders: bool = False
 
     @property
     def denoiser(self) -> str:
@@ -221,19 +226,9 @@ def _changes_of(read: ReadAdapter, component: str) -> dict[tuple[str, str], Laye
 def admit(read: ReadAdapter, spec: SlotSpec) -> None:
     """Apply the server's settings to what was read: text-encoder layers kept or dropped (--text-encoder-layers,
     --strict-adapters), denoiser changes refused unless the server fuses."""
-    encoders = {component for component, _ in read.changes if component != spec.denoiser}
-    if encoders and spec.text_encoder_layers == "ignore":
-        dropped = Counter(component for component, _ in read.changes if component in encoders)
-        message = (
-            f"dropped layers for {', '.join(f'{c} ({n} layers)' for c, n in sorted(dropped.items()))}: "
-            "text-encoder layers are ignored (--text-encoder-layers ignore)"
-        )
-        if spec.strict:
-            raise AdapterIncompatibleError(
-                message.replace("are ignored", "are refused under --strict-adapters"),
-                reason=ErrorReason.ADAPTER_TEXT_ENCODER_LAYERS,
-            )
-        read.warnings.append(message)
+    encoders = Counter(component for component, _ in read.changes if component != spec.denoiser)
+    if encoders and (warning := admit_text_encoder_layers(encoders, "layers", spec)) is not None:
+        read.warnings.append(warning)
         read.changes = _changes_of(read, spec.denoiser)
     denoiser_changes = {module: change for (_, module), change in _changes_of(read, spec.denoiser).items()}
     if denoiser_changes and not spec.fuse:
@@ -253,3 +248,37 @@ def admit(read: ReadAdapter, spec: SlotSpec) -> None:
             "--text-encoder-layers apply); it is not an adapter for this model",
             reason=ErrorReason.ADAPTER_NO_DENOISER_LAYERS,
         )
+
+
+def admit_text_encoder_layers(counts: Mapping[str, int], unit: str, spec: SlotSpec) -> str | None:
+    """What the server's settings make of an adapter's text-encoder layers (`counts`: how many `unit`s, "layers" or
+    "tensors", of each text encoder, named as the file names it): None when they are merged (--text-encoder-layers
+    apply, with a writer for them), the warning to give when they are dropped (ignore).
+
+    Raises ADAPTER_TEXT_ENCODER_LAYERS for layers it would drop under --strict-adapters, ADAPTER_UNSUPPORTED_TENSORS
+    under apply when nothing merges them (a family diffusers loads no text-encoder LoRA for), saying how to serve the
+    rest of the file.
+    """
+    listed = ", ".join(f"{component} ({count} {unit})" for component, count in sorted(counts.items()))
+    if spec.text_encoder_layers == "apply":
+        if spec.merges_text_encoders:
+            return None
+        raise AdapterFormatError(
+            f"the adapter has layers for {listed}, which is no component adapters change in a {spec.family.value} "
+            f"pipeline; this server applies no text-encoder layers ({_why_none(spec)}): restart it with "
+            "--text-encoder-layers ignore to drop them with a warning, or use a file without them",
+            reason=ErrorReason.ADAPTER_UNSUPPORTED_TENSORS,
+        )
+    message = f"dropped layers for {listed}: text-encoder layers are ignored (--text-encoder-layers ignore)"
+    if spec.strict:
+        raise AdapterIncompatibleError(
+            message.replace("are ignored", "are refused under --strict-adapters"),
+            reason=ErrorReason.ADAPTER_TEXT_ENCODER_LAYERS,
+        )
+    return message
+
+
+def _why_none(spec: SlotSpec) -> str:
+    if not FAMILIES[spec.family].text_encoders:
+        return f"diffusers loads no text-encoder LoRA for {spec.family.value}"
+    return "its pipeline has no text encoders to merge them into"

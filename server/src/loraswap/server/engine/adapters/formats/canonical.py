@@ -5,15 +5,23 @@ Each part of the file goes to its layout's reader: kohya-style names (sd-scripts
 `kohya_prefixes`; for the newer families also ComfyUI's and ai-toolkit's `diffusion_model.` names, which spell them:
 comfy_names.py) to kohya_layout.py, which reads every kind against the model's own module paths; every other
 layout to diffusers_layout.py, through diffusers' own converters, so such an adapter means exactly what diffusers
-makes of it. The server's settings then decide what is kept and what only a fused swap applies (admission.py), and
-how far the adapter moves each layer is measured and checked in range (change_effects.py).
+makes of it. The text-encoder parts of a file for a family diffusers loads no text-encoder LoRA for are set apart
+before either reader (text_encoder_parts.py). The server's settings then decide what is kept and what only a fused
+swap applies (admission.py), and how far the adapter moves each layer is measured and checked in range
+(change_effects.py).
 """
 
 from __future__ import annotations
 
 import time
 
-from loraswap.server.engine.adapters.formats.admission import ReadAdapter, SlotSpec, admit, fits_slot
+from loraswap.server.engine.adapters.formats.admission import (
+    ReadAdapter,
+    SlotSpec,
+    admit,
+    admit_text_encoder_layers,
+    fits_slot,
+)
 from loraswap.server.engine.adapters.formats.canonical_adapter import CanonicalAdapter
 from loraswap.server.engine.adapters.formats.change_effects import (
     formed_on_the_way,
@@ -26,6 +34,7 @@ from loraswap.server.engine.adapters.formats.diffusers_layout import read_other_
 from loraswap.server.engine.adapters.formats.key_layouts import kohya_style_keys, refuse_unsupported_kinds
 from loraswap.server.engine.adapters.formats.kohya_layout import read_kohya_layout
 from loraswap.server.engine.adapters.formats.tensor_checks import check_tensors
+from loraswap.server.engine.adapters.formats.text_encoder_parts import set_apart_text_encoders
 from loraswap.server.engine.adapters.sources import AdapterFile, BaseModelPolicy, read_adapter_file
 from loraswap.server.engine.errors import AdapterFormatError, shorten
 from loraswap.server.engine.families import FAMILIES
@@ -56,6 +65,9 @@ def load_canonical(
     raw, metadata = read_adapter_file(adapter_file)
     if not raw:
         raise AdapterFormatError(f"adapter {shorten(adapter_file.name)!r} holds no tensors")
+    raw, unread_encoders = set_apart_text_encoders(raw, spec.family, spec.denoiser)
+    # Before the file is read: a refusal of the text-encoder parts costs no conversion.
+    encoders_dropped = admit_text_encoder_layers(unread_encoders, "tensors", spec) if unread_encoders else None
     raw, spellings = comfy_as_kohya(raw, spec.family)
     kohya_keys = kohya_style_keys(raw, FAMILIES[spec.family].kohya_prefixes)
     refuse_unsupported_kinds({key: raw[key] for key in kohya_keys})  # first: a kind's own tensors may be scalars
@@ -64,6 +76,8 @@ def load_canonical(
     others = {key: value for key, value in raw.items() if key not in kohya_keys}
     if others:  # another layout
         read = read_other_layout(others, metadata, spec).joined(read)
+    if encoders_dropped is not None:
+        read.warnings.append(encoders_dropped)
     admit(read, spec)
     effects = _effects(read, spec)
     on_the_way = {key: formed_on_the_way(change) for key, change in read.changes.items()}

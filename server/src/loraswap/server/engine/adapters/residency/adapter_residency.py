@@ -136,9 +136,11 @@ class AdapterResidency:
         model_layers: ModelLayers,
         *,
         strict: bool = False,
+        text_encoder_layers: str = SlotSpec.text_encoder_layers,
     ) -> SlotSpec:
         """What an adapter must fit to be made resident here: swapped into the slot or, when fusing, fused; its
-        text-encoder layers are kept when there is a writer for them (--text-encoder-layers apply)."""
+        text-encoder layers merged (`text_encoder_layers`, --text-encoder-layers, apply) when there is a writer for
+        them, dropped (ignore) or refused (--strict-adapters, `strict`; apply without a writer)."""
         base_layers = self.slot.base_layers()
         return SlotSpec(
             family=family,
@@ -151,7 +153,8 @@ class AdapterResidency:
             fuse=self.fused_weights is not None,
             biased_layers=frozenset(name for name, layer in base_layers.items() if layer.bias is not None),
             model_layers=model_layers,
-            text_encoder_layers="apply" if self.encoder_weights is not None else "ignore",
+            text_encoder_layers=text_encoder_layers,
+            merges_text_encoders=self.encoder_weights is not None,
         )
 
     # -- swaps ----------------------------------------------------------------------------------------------
