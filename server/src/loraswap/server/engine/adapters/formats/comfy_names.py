@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from loraswap.server.engine.adapters.formats.key_layouts import LAYER_NAME, LAYER_TENSORS, UNSUPPORTED_KIND_TENSORS
+from loraswap.server.engine.adapters.formats.tensor_names import PEFT_TO_KOHYA, with_adapter_name
 from loraswap.server.engine.errors import AdapterFormatError, shorten
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.types import ModelFamily
@@ -31,10 +32,8 @@ MODEL_PREFIXES = ("diffusion_model.", "base_model.model.")
 # A tensor's name in these files -> its kohya name: PEFT's factors (with or without PEFT's adapter name), and the
 # names kohya and LyCORIS already use (IA³'s bare `weight` left out: it is also how a base weight is named).
 _TENSOR_NAMES = {
-    "lora_A.weight": "lora_down.weight",
-    "lora_B.weight": "lora_up.weight",
-    "lora_A.default.weight": "lora_down.weight",
-    "lora_B.default.weight": "lora_up.weight",
+    **PEFT_TO_KOHYA,
+    **{with_adapter_name(peft): kohya for peft, kohya in PEFT_TO_KOHYA.items()},
     **{name: name for name in LAYER_TENSORS | UNSUPPORTED_KIND_TENSORS.keys() if name != "weight"},
 }
 _BY_LENGTH = sorted(_TENSOR_NAMES, key=len, reverse=True)  # the longest name a key ends in is its tensor's

@@ -20,22 +20,20 @@ FLUX.1's and SDXL's files reach their converters untouched.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
 
+from loraswap.server.engine.adapters.formats.tensor_names import KOHYA_TO_PEFT, PEFT_TENSORS, without_adapter_name
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.types import ModelFamily
 
-# PEFT's adapter name after a LoRA tensor's own name: `.lora_A.default.weight` is `.lora_A.weight`.
-_PEFT_ADAPTER_NAME = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.default(?=\.|$)")
-_KOHYA_FACTORS = {".lora_down.weight": ".lora_A.weight", ".lora_up.weight": ".lora_B.weight"}
+# kohya's factor names beside diffusers' module paths, as PEFT's.
+_KOHYA_FACTORS = {f".{kohya}": f".{peft}" for kohya, peft in KOHYA_TO_PEFT.items()}
 # Every tensor name these normalisations know; a file with any other (Z-Image's `.lora.down.weight`, LyCORIS kinds)
 # is left to the family's converter whole, as it always was.
-_KNOWN_TENSORS = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".lora_magnitude_vector",
-                  ".lora_magnitude_vector.weight", ".alpha", *_KOHYA_FACTORS)  # fmt: skip
+_KNOWN_TENSORS = (*(f".{name}" for name in PEFT_TENSORS), ".alpha", *_KOHYA_FACTORS)
 
 
 def normalised_keys(
@@ -51,7 +49,7 @@ def normalised_keys(
     """
     if not FAMILIES[family].reads_module_path_files:
         return state_dict, None
-    names = {key: _PEFT_ADAPTER_NAME.sub(r".\1", key) for key in state_dict}
+    names = {key: without_adapter_name(key) for key in state_dict}
     if not all(name.endswith(_KNOWN_TENSORS) for name in names.values()):
         return state_dict, None
     children = {module.partition(".")[0] for module in denoiser_modules}
