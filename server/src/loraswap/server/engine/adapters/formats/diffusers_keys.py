@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
+from loraswap.server.engine.adapters.formats.tensor_checks import alpha_value
 from loraswap.server.engine.adapters.formats.tensor_names import KOHYA_TO_PEFT, PEFT_TENSORS, without_adapter_name
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
 from loraswap.server.engine.families import FAMILIES
@@ -65,19 +66,10 @@ def normalised_keys(
         if name in keys or name in alphas:
             raise AdapterFormatError(f"tensor {shorten(name)} is in the file twice, under two spellings; keep one")
         if name.startswith(denoiser + ".") and name.endswith(".alpha"):
-            alphas[name] = _alpha(key, value)
+            alphas[name] = alpha_value(key.removesuffix(".alpha"), value)
         else:
             keys[name] = value
     return keys, alphas or None
-
-
-def _alpha(key: str, value: torch.Tensor) -> float:
-    if value.numel() != 1:
-        raise AdapterFormatError(
-            f"tensor {shorten(key)} has shape {tuple(value.shape)}; alpha is one number",
-            reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
-        )
-    return float(value.reshape(()).to(torch.float64))
 
 
 def refuse_nothing_converted(

@@ -19,6 +19,7 @@ import torch
 from loraswap.server.engine.adapters.formats.change_kinds import Full, Hadamard, Kronecker, LowRank, rank_scale
 from loraswap.server.engine.adapters.formats.key_layouts import FileLayer
 from loraswap.server.engine.adapters.formats.model_layers import LayerShape, ModelLayers
+from loraswap.server.engine.adapters.formats.tensor_checks import alpha_value
 from loraswap.server.engine.adapters.formats.weight_changes import LayerChange, dora_eps
 from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
 
@@ -55,12 +56,7 @@ def _alpha(layer: FileLayer) -> float | None:
     alpha = layer.tensors.get("alpha")
     if alpha is None:
         return None
-    if alpha.numel() != 1:
-        raise AdapterFormatError(
-            f"layer {shorten(layer.name)} has an alpha of shape {tuple(alpha.shape)}; alpha is one number",
-            reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
-        )
-    value = float(alpha.reshape(()).to(torch.float64))
+    value = alpha_value(layer.name, alpha)
     if not math.isfinite(value):
         raise AdapterFormatError(
             f"layer {shorten(layer.name)} has alpha {value}; alpha must be a finite number",

@@ -34,6 +34,17 @@ def check_tensors(state_dict: dict[str, torch.Tensor]) -> None:
             )
 
 
+def alpha_value(layer: str, alpha: torch.Tensor) -> float:
+    """The one number a layer's alpha tensor holds (`layer`: as the file names it, for the message). Raises
+    ADAPTER_SHAPE_MISMATCH for an alpha of more than one value."""
+    if alpha.numel() != 1:
+        raise AdapterFormatError(
+            f"layer {shorten(layer)} has an alpha of shape {tuple(alpha.shape)}; alpha is one number",
+            reason=ErrorReason.ADAPTER_SHAPE_MISMATCH,
+        )
+    return float(alpha.reshape(()).to(torch.float64))
+
+
 def check_dtype(key: str, tensor: torch.Tensor) -> None:
     """Refuse a tensor that is not floating point."""
     if not tensor.is_floating_point():
