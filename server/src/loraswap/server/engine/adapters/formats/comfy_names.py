@@ -3,11 +3,11 @@
 ComfyUI and ai-toolkit write a denoiser's layers as `diffusion_model.<module path>.<tensor>`, a PEFT-wrapped model's
 state dict as `base_model.model.<module path>.<tensor>`, with PEFT's factor names (`lora_A`, `lora_B`) or kohya's
 (`lora_down`, `lora_up`, `alpha`, the LyCORIS kinds' tensors); the module path is the model's own, in diffusers'
-names or the original model's (BFL FLUX.2's fused qkv, Z-Image's `attention.qkv`). Written `lora_unet_<path with
-'_' for '.'>` with kohya's factor names, such a file is a kohya-style one: for the newer families
-(FamilyTraits.reads_module_path_files) it is read by kohya_layout.py, which resolves each name against the
-model's module paths and original names (original_names.py), cuts fused layers at the model's own widths and
-reads every kind and each layer's alpha.
+names or the original model's (BFL FLUX.2's fused qkv, Z-Image's `attention.qkv`). Written `<prefix>_<path with
+'_' for '.'>` with the family's kohya prefix of its denoiser (`lora_unet`) and kohya's factor names, such a file is
+a kohya-style one: for the newer families (FamilyTraits.reads_module_path_files) it is read by kohya_layout.py,
+which resolves each name against the model's module paths and original names (original_names.py), cuts fused
+layers at the model's own widths and reads every kind and each layer's alpha.
 
 diffusers' converters for these families read only some of these files, and misread others without a word: FLUX.2's
 `diffusion_model.` names with `lora_down`/`lora_up` convert to nothing, with `alpha` tensors they raise, its final
@@ -25,8 +25,6 @@ from loraswap.server.engine.errors import AdapterFormatError, shorten
 from loraswap.server.engine.families import FAMILIES
 from loraswap.server.engine.types import ModelFamily
 
-# The kohya prefix the renamed layers get: the families' prefix of their denoiser (family_traits/).
-KOHYA_PREFIX = "lora_unet"
 # What starts the denoiser's module paths: ComfyUI's and ai-toolkit's prefix, a PEFT-wrapped model's.
 MODEL_PREFIXES = ("diffusion_model.", "base_model.model.")
 # A tensor's name in these files -> its kohya name: PEFT's factors (with or without PEFT's adapter name), and the
@@ -47,6 +45,16 @@ def _split(path_and_tensor: str) -> tuple[str, str] | None:
     return None
 
 
+def _denoiser_prefix(family: ModelFamily) -> str | None:
+    """The kohya prefix renamed layers get: the first of the family's kohya_prefixes that names its denoiser; None
+    for a family that does not read module-path files (or has no such prefix)."""
+    traits = FAMILIES[family]
+    if not traits.reads_module_path_files:
+        return None
+    denoiser = traits.denoiser_attribute
+    return next((prefix for prefix, component in traits.kohya_prefixes.items() if component == denoiser), None)
+
+
 def comfy_as_kohya(
     state_dict: dict[str, torch.Tensor], family: ModelFamily
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -58,9 +66,8 @@ def comfy_as_kohya(
     converters whole.
     Raises ADAPTER_MALFORMED when a layer is in the file twice, under two layouts or spellings.
     """
-    traits = FAMILIES[family]
-    ours = traits.reads_module_path_files and traits.kohya_prefixes.get(KOHYA_PREFIX) == traits.denoiser_attribute
-    prefixed = [key for key in state_dict if key.startswith(MODEL_PREFIXES)] if ours else []
+    kohya_prefix = _denoiser_prefix(family)
+    prefixed = [key for key in state_dict if key.startswith(MODEL_PREFIXES)] if kohya_prefix else []
     if not prefixed:
         return state_dict, {}
     renamed: dict[str, tuple[str, str]] = {}  # file key -> (kohya key, file layer)
@@ -69,7 +76,7 @@ def comfy_as_kohya(
         split = _split(key[len(prefix) :])
         if split is None or not LAYER_NAME.fullmatch(flat := split[0].replace(".", "_")):
             return state_dict, {}
-        renamed[key] = (f"{KOHYA_PREFIX}_{flat}.{split[1]}", prefix + split[0])
+        renamed[key] = (f"{kohya_prefix}_{flat}.{split[1]}", prefix + split[0])
     result = {key: value for key, value in state_dict.items() if key not in renamed}
     for key, (kohya_key, _) in renamed.items():
         if kohya_key in result:
