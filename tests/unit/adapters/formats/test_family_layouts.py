@@ -291,6 +291,22 @@ def test_a_layer_in_two_layouts_is_refused(tmp_path: Path) -> None:
     assert "twice" in str(refused.value)
 
 
+@pytest.mark.parametrize(("down", "up"), [
+    ("diffusion_model.layers.0.attention.to_q.lora_A.weight", "lora_unet_layers_0_attention_to_q.lora_up.weight"),
+    ("diffusion_model.layers.0.attention.to_q.lora_down.weight", "lora_unet_layers_0_attention_to_q.lora_up.weight"),
+    ("diffusion_model.layers.0.attention.to_q.lora_A.weight",
+     "base_model.model.layers.0.attention.to_q.lora_B.weight"),
+])  # fmt: skip
+def test_one_layer_spelled_twice_for_its_two_factors_is_refused(tmp_path: Path, down: str, up: str) -> None:
+    """Each factor once, under two spellings of the layer: read as one layer, it would be made of both."""
+    path = tmp_path / "halves.safetensors"
+    save_file({down: torch.randn(RANK, 24), up: torch.randn(24, RANK)}, str(path))
+    with pytest.raises(AdapterFormatError) as refused:
+        load(path, "z-image")
+    assert refused.value.reason == "ADAPTER_MALFORMED"
+    assert "twice" in str(refused.value) and "lora_unet_layers_0_attention_to_q" in str(refused.value)
+
+
 @pytest.mark.parametrize("layout", ["kohya", "comfy lora_A"])
 @pytest.mark.parametrize(("family", "fused", "part"), [
     ("flux2", "double_blocks.0.img_attn.qkv", "transformer_blocks.0.attn.to_q"),

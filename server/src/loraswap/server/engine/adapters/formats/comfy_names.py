@@ -78,11 +78,20 @@ def comfy_as_kohya(
             return state_dict, {}
         renamed[key] = (f"{kohya_prefix}_{flat}.{split[1]}", prefix + split[0])
     result = {key: value for key, value in state_dict.items() if key not in renamed}
-    for key, (kohya_key, _) in renamed.items():
+    # kohya layer -> how the file spells it: one layer's tensors under two spellings (`diffusion_model.x.lora_A`
+    # beside `lora_unet_x.lora_up`) would be read as one layer made of both.
+    spelled = {key.partition(".")[0]: key.partition(".")[0] for key in result}
+    for key, (kohya_key, layer) in renamed.items():
+        kohya_layer = kohya_key.partition(".")[0]
         if kohya_key in result:
             raise AdapterFormatError(
-                f"layer {shorten(kohya_key.partition('.')[0])} is in the file twice, under two naming layouts "
+                f"layer {shorten(kohya_layer)} is in the file twice, under two naming layouts "
                 f"(one is {shorten(key)}); keep one",
+            )
+        if (other := spelled.setdefault(kohya_layer, layer)) != layer:
+            raise AdapterFormatError(
+                f"layer {shorten(kohya_layer)} is in the file twice, under two naming layouts "
+                f"(as {shorten(other)} and {shorten(layer)}); keep one",
             )
         result[kohya_key] = state_dict[key]
     return result, {kohya_key.partition(".")[0]: layer for kohya_key, layer in renamed.values()}
