@@ -21,19 +21,12 @@ from loraswap.client import LoraswapError
 from loraswap.server.devtools.random_adapter import write_random_adapter
 from loraswap.server.engine.families import family_of
 from loraswap.server.engine.models import builtin_model
+from tests.support.family_cases import MODELS, FamilyModel
 from tests.support.images import assert_images_close, decode
-from tests.support.reference import DiffusersReference
 from tests.support.servers import client_of, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-# model -> family, as GetServerInfo names it
-MODELS = {
-    "tiny-qwen-image": "qwen-image",
-    "tiny-z-image": "z-image",
-    "tiny-flux2": "flux2",
-    "tiny-flux2-klein": "flux2",
-}
 PROMPT = "a red kite over the sea"
 STEPS = 2
 LOHA_RANK, LOHA_ALPHA = 2, 1.0
@@ -83,44 +76,34 @@ def _with_text_encoder_layers(adapter: Path, directory: Path) -> None:
     save_file(tensors, directory / "pytorch_lora_weights.safetensors")
 
 
-class FamilyCase:
-    """One family's tiny model: its exported folder, its adapters, and the references they must equal."""
+class FamilyCase(FamilyModel):
+    """One family's tiny model with its adapters: PEFT-written ones, a LoHa, one with text-encoder layers and an
+    SDXL one."""
 
-    def __init__(self, model: str, root) -> None:
-        self.model = model
-        self.family = MODELS[model]
-        builtin = builtin_model(model)
-        self.defaults = builtin.defaults
-        self.folder = builtin.export(root / "model")
-        self.adapters = root / "adapters"
-        pipe = builtin.build()
-        denoiser = family_of(pipe).denoiser(pipe)
-        self.loha_layer = _first_layer(denoiser, "to_k")
-        weight = denoiser.get_submodule(self.loha_layer).weight
+    def __init__(self, model: str, root: Path) -> None:
+        super().__init__(model, root)
+        self.loha_layer = _first_layer(self.denoiser, "to_k")
+        weight = self.denoiser.get_submodule(self.loha_layer).weight
         self.loha = _loha_factors(tuple(weight.shape), seed=3)
         flat = "lycoris_" + self.loha_layer.replace(".", "_")
         tensors = {f"{flat}.{name}": value for name, value in self.loha.items()}
         tensors[f"{flat}.alpha"] = torch.tensor(LOHA_ALPHA)
-        self.adapters.mkdir(parents=True)
         save_file(tensors, self.adapters / "loha.safetensors")
         # The LoHa's layer is read first: PEFT leaves its wrappers in the modules it wrote adapters from.
-        write_random_adapter(pipe, self.adapters / "attn", rank=4, seed=1, init_std=ADAPTER_STD)
-        feed_forward = [name for name in family_of(pipe).default_target_modules if _is_feed_forward(name)]
+        write_random_adapter(self.pipe, self.adapters / "attn", rank=4, seed=1, init_std=ADAPTER_STD)
+        feed_forward = [name for name in family_of(self.pipe).default_target_modules if _is_feed_forward(name)]
         write_random_adapter(
-            pipe, self.adapters / "mlp", rank=2, seed=2, init_std=ADAPTER_STD, target_modules=feed_forward
+            self.pipe, self.adapters / "mlp", rank=2, seed=2, init_std=ADAPTER_STD, target_modules=feed_forward
         )
         _with_text_encoder_layers(self.adapters / "attn", self.adapters / "attn-with-te")
         # An SDXL LoRA: a file for another family, refused where it is read.
         write_random_adapter(builtin_model("tiny-sdxl").build(), self.adapters / "sdxl", rank=4, seed=4)
-        self.reference = DiffusersReference(self.folder, self.family, self.adapters, self.defaults.max_sequence_length)
 
     def loha_image(self, scale: float, seed: int, guidance: float) -> np.ndarray:
         """The LoHa's dense change added by hand to plain diffusers' weights."""
-        pipe = self.reference._pipeline()
-        layer = family_of(pipe).denoiser(pipe).get_submodule(self.loha_layer)
-        with torch.no_grad():
-            layer.weight += scale * _loha_delta(self.loha).to(layer.weight.dtype)
-        return self.reference._run(pipe, {}, PROMPT, seed, STEPS, guidance, self.defaults.width, self.defaults.height)
+        deltas = {self.loha_layer: scale * _loha_delta(self.loha)}
+        size = {"width": self.defaults.width, "height": self.defaults.height}
+        return self.reference.merged_image(deltas, prompt=PROMPT, seed=seed, steps=STEPS, guidance=guidance, **size)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
