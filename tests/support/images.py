@@ -20,10 +20,10 @@ def decode(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(np.int32)
 
 
-def assert_images_close(actual: np.ndarray, expected: np.ndarray) -> None:
-    """Fail unless the two decoded images agree within MAX_PIXEL_DIFF / MEAN_PIXEL_DIFF."""
+def assert_images_close(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:
+    """Fail unless the two decoded images agree within MAX_PIXEL_DIFF / MEAN_PIXEL_DIFF (`what`: named on failure)."""
     diff = np.abs(actual - expected)
-    assert actual.shape == expected.shape
+    assert actual.shape == expected.shape, what
     assert diff.max() <= MAX_PIXEL_DIFF and diff.mean() <= MEAN_PIXEL_DIFF, (
-        f"images differ: max {diff.max()}, mean {diff.mean():.3f}"
+        f"{what + ': ' if what else ''}images differ: max {diff.max()}, mean {diff.mean():.3f}"
     )
