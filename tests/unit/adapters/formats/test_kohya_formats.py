@@ -167,6 +167,24 @@ def test_flux_kohya_refusals(
     assert raised.value.reason == reason
 
 
+@pytest.mark.parametrize(
+    "modules",
+    [
+        pytest.param({"lora_unet_double_blocks_0_img_attn_qkv": (32, 96),
+                      "lora_unet_transformer_blocks_0_attn_to_k": (32, 32)}, id="fused_qkv_beside_a_part"),
+        pytest.param({"lora_unet_transformer_blocks_0_attn_to_q": (32, 32),
+                      "lycoris_transformer_blocks_0_attn_to_q": (32, 32)}, id="two_prefixes"),
+    ],
+)  # fmt: skip
+def test_flux_kohya_layer_changed_twice_is_refused(specs: dict[str, SlotSpec], tmp_path: Path, modules) -> None:
+    """Read, one change would replace the other unseen."""
+    path = tmp_path / "kohya_twice.safetensors"
+    kohya_file(path, modules)
+    with pytest.raises(AdapterFormatError) as raised:
+        _load(path, specs["tiny-flux"])
+    assert raised.value.reason == "ADAPTER_MALFORMED" and "twice" in raised.value.message
+
+
 # -- SDXL ----------------------------------------------------------------------------------------------
 
 
@@ -209,6 +227,16 @@ def test_sdxl_kohya_minority_attention_alpha(specs: dict[str, SlotSpec], tmp_pat
     path = tmp_path / "kohya_sdxl_alpha.safetensors"
     tensors = kohya_file(path, modules, alphas=alphas | {to_q: 16.0})
     assert_same_deltas(canonical_deltas(_load(path, specs["tiny-sdxl"])), kohya_deltas(tensors, mapping))
+
+
+def test_sdxl_kohya_layer_in_sgm_and_diffusers_names_is_refused(specs: dict[str, SlotSpec], tmp_path: Path) -> None:
+    module, in_features, out_features, _ = SDXL_LAYERS[0]
+    path = tmp_path / "kohya_sdxl_twice.safetensors"
+    kohya_file(path, {kohya_module(module, layout): (in_features, out_features)
+                      for layout in ("diffusers_names", "sgm_names")})  # fmt: skip
+    with pytest.raises(AdapterFormatError) as raised:
+        _load(path, specs["tiny-sdxl"])
+    assert raised.value.reason == "ADAPTER_MALFORMED" and "twice" in raised.value.message
 
 
 def test_flux_comfyui_prefixed_file_matches_diffusers(specs: dict[str, SlotSpec], tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ Its layer names (`<prefix>_<module path>` with the family's `kohya_prefixes`) ar
 module paths (key_layouts.py; sgm SDXL, BFL Flux and FLUX.2 and Z-Image's original names by original_names.py) and
 its layers read kind by kind (lycoris_layers.py). For the newer families, ComfyUI's and ai-toolkit's
 `diffusion_model.` files come here too, renamed to the kohya-style names they spell (comfy_names.py). The admission
-rules (admission.py) send plain LoRAs of slot layers to the slot; every other layer is a change.
+rules (admission.py) send plain LoRAs of slot layers to the slot; every other layer is a change. A model layer two
+file layers change (a fused original layer beside one of its parts, one layer in two spellings or prefixes) is
+refused, in every family's files.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ def read_kohya_layout(
 ) -> ReadAdapter:
     """A kohya-style file (sd-scripts, LyCORIS), every kind, resolved against the model's own layers: plain LoRAs
     of slot layers go to the slot, the rest are changes. `spellings`: the file's own names of layers renamed to
-    kohya-style ones (comfy_names.py), for messages. A newer family's file that changes a layer twice is refused."""
+    kohya-style ones (comfy_names.py), for messages. A file that changes a layer twice is refused."""
     layers = file_layers(
         raw, FAMILIES[spec.family].kohya_prefixes, spec.model_layers,
         lambda flat: original_layer(spec.family, flat, spec.denoiser_config), spellings,
     )  # fmt: skip
-    if FAMILIES[spec.family].reads_module_path_files:  # FLUX.1's and SDXL's files are read as they always were
-        refuse_layers_twice(layers)
+    # Whatever the family: below, a second change of one layer would replace the first unseen.
+    refuse_layers_twice(layers)
     read = ReadAdapter(layers={}, changes={})
     for layer in read_layers(layers, spec.model_layers, pin_memory=spec.pin_memory):
         if (low_rank := slot_lora(layer, spec)) is not None:
