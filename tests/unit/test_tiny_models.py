@@ -1,4 +1,9 @@
-"""Tests for the builtin tiny FLUX / SDXL pipelines."""
+"""The tiny built-ins, one contract for all: each builds the same pipeline of its family's class whatever the global
+RNG holds (and leaves it as it was), runs at its defaults and at the smallest sizes its family allows, reads its
+prompt, runs guidance as its family says, takes a LoRA, casts to bfloat16 exactly, and exports to a folder that
+loads offline as the same pipeline. What only the newer families' built-ins have (Qwen-Image's template, FLUX.2's
+system prompt) and the full-size random ones are in test_family_models.py.
+"""
 
 from __future__ import annotations
 
@@ -6,141 +11,198 @@ import numpy as np
 import peft
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    DiffusionPipeline,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    FluxPipeline,
+    QwenImagePipeline,
+    StableDiffusionXLPipeline,
+    ZImagePipeline,
+)
 
+from loraswap.server.engine.families import WARM_UP_GUIDANCE, family_of
 from loraswap.server.engine.models import builtin_model
+from tests.support.builtin_pipelines import (
+    WatchedBuild,
+    assert_defaults_fit,
+    assert_finite_image,
+    assert_same_weights,
+    build_after_other_draws,
+    build_watched,
+    generate,
+    parameter_dtypes,
+    torch_modules,
+)
 
-# The small built-in models (the full-size random ones are tested in tests/benchmarks/test_benchmarks.py).
-PIPELINE_CLASSES = {"shapes": FluxPipeline, "tiny-flux": FluxPipeline, "tiny-sdxl": StableDiffusionXLPipeline}
-MODELS = tuple(PIPELINE_CLASSES)
-DENOISER = {"shapes": "transformer", "tiny-flux": "transformer", "tiny-sdxl": "unet"}
-# What the pipelines themselves accept (shapes: 4x VAE downsampling times FLUX's 2x2 packing;
-# tiny-flux: VAE factor 2 times the packing; tiny-sdxl: VAE factor 2).
-PIPELINE_SIZE_MULTIPLE = {"shapes": 8, "tiny-flux": 4, "tiny-sdxl": 2}
-PROMPT = "a photo of a cat, Größe 日本語 🙂"
+PIPELINE_CLASSES = {
+    "shapes": FluxPipeline,
+    "tiny-flux": FluxPipeline,
+    "tiny-sdxl": StableDiffusionXLPipeline,
+    "tiny-qwen-image": QwenImagePipeline,
+    "tiny-z-image": ZImagePipeline,
+    "tiny-flux2": Flux2Pipeline,
+    "tiny-flux2-klein": Flux2KleinPipeline,
+}
+TINY = tuple(PIPELINE_CLASSES)
+# shapes is trained here: its weights load from its own folder (whose path its modules record), and it runs at
+# the settings it was trained for (true CFG 3 against an empty negative prompt), not at FLUX.1's published ones.
+TRAINED_HERE = ("shapes",)
+# The (tokenizer, text encoder) attributes a pipeline class may declare: FLUX.1's and SDXL's both, the newer ones the
+# first.
+TEXT_ENCODERS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
+# The first tokenizer's kind by family: CLIP (FLUX.1, SDXL: lower-cased, 77 tokens) or byte-level BPE (Qwen2.5-VL,
+# Qwen3, Mistral: any text decodes back as it was). FLUX.1's second is T5 (SentencePiece without byte fallback).
+CLIP_TOKENIZERS = ("shapes", "tiny-flux", "tiny-sdxl")
+BYTE_LEVEL_TOKENIZERS = ("tiny-qwen-image", "tiny-z-image", "tiny-flux2", "tiny-flux2-klein")
 
 
-def _generate(pipe: DiffusionPipeline, name: str, prompt: str = PROMPT, **overrides) -> np.ndarray:
-    pipe.set_progress_bar_config(disable=True)
-    kwargs = builtin_model(name).defaults.to_dict() | {"num_inference_steps": 2} | overrides
-    out = pipe(prompt, generator=torch.Generator("cpu").manual_seed(0), output_type="np", **kwargs)
-    return out.images
+@pytest.fixture(scope="module", params=TINY)
+def built(request: pytest.FixtureRequest) -> WatchedBuild:
+    """One shared, unmodified pipeline per tiny model (tests must not mutate it)."""
+    return build_watched(request.param)
 
 
-def _modules(pipe: DiffusionPipeline) -> dict[str, torch.nn.Module]:
-    return {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
+@pytest.fixture(scope="module")
+def default_image(built: WatchedBuild) -> np.ndarray:
+    """The shared pipeline's image of the shared prompt at its defaults, in two steps."""
+    return generate(built.pipe, built.name)
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def built(request: pytest.FixtureRequest) -> tuple[str, DiffusionPipeline]:
-    """One shared, unmodified pipeline per builtin model (tests must not mutate it)."""
-    return request.param, builtin_model(request.param).build()
-
-
-def test_pipeline_classes(built: tuple[str, DiffusionPipeline]) -> None:
-    name, pipe = built
+def test_pipeline_class_and_origin(built: WatchedBuild) -> None:
+    name, pipe = built.name, built.pipe
     assert type(pipe) is PIPELINE_CLASSES[name]
     assert pipe.name_or_path == name
-    assert all(not m.training for m in _modules(pipe).values())
+    modules = torch_modules(pipe)
+    assert all(not module.training for module in modules.values())
+    assert parameter_dtypes(pipe) == {torch.float32}
+    if name not in TRAINED_HERE:
+        assert {module.config._name_or_path for module in modules.values()} == {name}
 
 
-def test_build_is_deterministic(built: tuple[str, DiffusionPipeline]) -> None:
-    name, first = built
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1234)  # a different global RNG state must not matter
-        torch.rand(7)
-        second = builtin_model(name).build()
-    mods1, mods2 = _modules(first), _modules(second)
-    assert mods1.keys() == mods2.keys()
-    for key in mods1:
-        sd1, sd2 = mods1[key].state_dict(), mods2[key].state_dict()
-        assert sd1.keys() == sd2.keys(), key
-        for param in sd1:
-            assert torch.equal(sd1[param], sd2[param]), f"{key}.{param}"
+def test_build_leaves_global_rng_untouched(built: WatchedBuild) -> None:
+    assert built.global_rng_kept
 
 
-def test_build_leaves_global_rng_untouched() -> None:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(42)
-        state = torch.get_rng_state()
-        expected = torch.rand(4)
-        torch.set_rng_state(state)
-        for name in MODELS:
-            builtin_model(name).build()
-        assert torch.equal(torch.get_rng_state(), state)
-        assert torch.equal(torch.rand(4), expected)
+def test_a_second_build_has_the_same_weights_and_image(built: WatchedBuild, default_image: np.ndarray) -> None:
+    """At the defaults: a finite image of the default size, the same from a build made after other draws."""
+    name, first = built.name, built.pipe
+    defaults = builtin_model(name).defaults
+    assert_finite_image(default_image, defaults.width, defaults.height)
+    second = build_after_other_draws(name)
+    assert_same_weights(first, second)
+    np.testing.assert_array_equal(generate(second, name), default_image)
 
 
-def test_generation(built: tuple[str, DiffusionPipeline]) -> None:
-    name, pipe = built
-    image = _generate(pipe, name, width=64, height=64)
-    assert image.shape == (1, 64, 64, 3)
-    assert np.isfinite(image).all()
-    assert image.std() > 0.01, "image should not be flat"
-    np.testing.assert_array_equal(image, _generate(pipe, name, width=64, height=64))
+def test_defaults_fit_the_pipeline(built: WatchedBuild) -> None:
+    assert_defaults_fit(built.name, built.pipe, published_guidance=built.name not in TRAINED_HERE)
 
 
-def test_generation_non_square_pil(built: tuple[str, DiffusionPipeline]) -> None:
-    name, pipe = built
-    mult = PIPELINE_SIZE_MULTIPLE[name]
-    width, height = 16 * mult, 8 * mult
-    pipe.set_progress_bar_config(disable=True)
-    kwargs = builtin_model(name).defaults.to_dict() | {"num_inference_steps": 1, "width": width, "height": height}
-    (image,) = pipe("x", generator=torch.Generator("cpu").manual_seed(0), **kwargs).images
+def test_the_smallest_allowed_sizes_come_out_exactly(built: WatchedBuild) -> None:
+    """The family's size rule, computed from the pipeline, holds for the pipeline itself: at its smallest size and
+    one multiple wider (an odd multiple for the patchified families), the image has exactly that size, where a
+    pipeline given a size it cannot take rounds it."""
+    name, pipe = built.name, built.pipe
+    traits = family_of(pipe)
+    height = traits.min_size(pipe)
+    width = height + traits.size_multiple(pipe)
+    (image,) = generate(
+        pipe, name, "x", width=width, height=height, num_inference_steps=traits.min_steps(pipe), output_type="pil"
+    )
     assert image.size == (width, height)
 
 
-def test_prompt_changes_image(built: tuple[str, DiffusionPipeline]) -> None:
-    name, pipe = built
-    assert not np.array_equal(_generate(pipe, name, "a cat"), _generate(pipe, name, "a dog"))
+def test_the_prompt_reaches_the_image(built: WatchedBuild, default_image: np.ndarray) -> None:
+    """Within the default sequence length: past the template Qwen-Image drops, FLUX.2's system prompt, the chat
+    template's turns."""
+    assert not np.array_equal(generate(built.pipe, built.name, "a dog"), default_image)
 
 
-def test_export_roundtrip(built: tuple[str, DiffusionPipeline], tmp_path, offline) -> None:
-    name, pipe = built
+def _denoiser_images_per_step(built: WatchedBuild, guidance: float) -> float:
+    """The images the denoiser computes per step at `guidance`, counted on its calls (batch 2, or a second call)."""
+    pipe, traits = built.pipe, family_of(built.pipe)
+    images: list[int] = []
+
+    def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        latents = args[0] if args else kwargs["hidden_states"]
+        images.append(len(latents))  # a batch tensor, or Z-Image's list of latents
+
+    steps = traits.min_steps(pipe)
+    hook = traits.denoiser(pipe).register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        generate(pipe, built.name, guidance_scale=guidance, num_inference_steps=steps, output_type="latent")
+    finally:
+        hook.remove()
+    return sum(images) / steps
+
+
+# shapes runs true CFG at any guidance (its true_cfg_scale), which FluxTraits.guidance_batch does not count.
+@pytest.mark.parametrize("built", [name for name in TINY if name not in TRAINED_HERE], indirect=True)
+def test_guidance_runs_as_the_family_says(built: WatchedBuild) -> None:
+    """At the default guidance and on both sides of where guidance starts (Qwen-Image's true CFG above 1, Z-Image's
+    CFG above 0, SDXL's above 1, FLUX's embedded or distilled guidance never), the denoiser computes the images per
+    step that the family's traits (warm-up, cost model, attention shape) count on."""
+    traits = family_of(built.pipe)
+    guidances = dict.fromkeys((builtin_model(built.name).defaults.guidance_scale, 0.0, 1.0, WARM_UP_GUIDANCE))
+    counted = {guidance: _denoiser_images_per_step(built, guidance) for guidance in guidances}
+    assert counted == {guidance: traits.guidance_batch(built.pipe, guidance) for guidance in guidances}
+
+
+def test_lora_on_attention_changes_image(built: WatchedBuild, default_image: np.ndarray) -> None:
+    name = built.name
+    pipe = builtin_model(name).build()  # fresh: the adapter mutates the model
+    config = peft.LoraConfig(
+        r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
+    )
+    denoiser = family_of(pipe).denoiser(pipe)
+    denoiser.add_adapter(config)
+    assert [n for n, _ in denoiser.named_parameters() if "lora_" in n]
+    after = generate(pipe, name)
+    assert np.abs(after - default_image).max() > 1e-3
+
+
+def test_bfloat16_is_the_float32_build_cast(built: WatchedBuild) -> None:
+    pipe = builtin_model(built.name).build(torch.bfloat16)
+    assert parameter_dtypes(pipe) == {torch.bfloat16}
+    assert_same_weights(built.pipe, pipe, cast=True)
+
+
+def test_export_loads_offline_as_the_family_pipeline(
+    built: WatchedBuild, default_image: np.ndarray, tmp_path, offline
+) -> None:
+    name, pipe = built.name, built.pipe
     path = builtin_model(name).export(tmp_path / name)
     assert path == tmp_path / name
     assert (path / "model_index.json").is_file()
     assert list(path.rglob("*.safetensors"))
     assert not list(path.rglob("*.bin"))
-
-    expected = _generate(pipe, name)
     for cls in (PIPELINE_CLASSES[name], DiffusionPipeline):
         loaded = cls.from_pretrained(path)
         assert type(loaded) is PIPELINE_CLASSES[name]
-        for key, module in _modules(pipe).items():
-            loaded_sd = getattr(loaded, key).state_dict()
-            for param, value in module.state_dict().items():
-                assert torch.equal(value, loaded_sd[param]), f"{key}.{param}"
-        np.testing.assert_allclose(_generate(loaded, name), expected, rtol=0, atol=1e-5)
+        assert_same_weights(pipe, loaded)
+        np.testing.assert_allclose(generate(loaded, name), default_image, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_lora_on_attention_changes_image(name: str) -> None:
-    pipe = builtin_model(name).build()  # fresh: the adapter mutates the model
-    before = _generate(pipe, name)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=False
-    )
-    denoiser = getattr(pipe, DENOISER[name])
-    denoiser.add_adapter(config)
-    lora_params = [n for n, _ in denoiser.named_parameters() if "lora_" in n]
-    assert lora_params
-    after = _generate(pipe, name)
-    assert np.abs(after - before).max() > 1e-3
+def _vocab_size(encoder: torch.nn.Module) -> int:
+    config = encoder.config
+    return getattr(config, "text_config", config).vocab_size
 
 
-def test_tokenizers_and_encoders_agree(built: tuple[str, DiffusionPipeline]) -> None:
-    _, pipe = built
-    for tok_name, enc_name in (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")):
-        tokenizer, encoder = getattr(pipe, tok_name), getattr(pipe, enc_name)
-        assert len(tokenizer) == encoder.config.vocab_size
+def test_tokenizers_and_encoders_agree(built: WatchedBuild) -> None:
+    """Every text encoder the pipeline class declares (FLUX.1's and SDXL's two, the newer families' one)."""
+    pipe = built.pipe
+    pairs = [(tok, enc) for tok, enc in TEXT_ENCODERS if tok in pipe.components]
+    assert pairs and pairs[0] == TEXT_ENCODERS[0]
+    for tok_name, enc_name in pairs:
+        tokenizer, vocab_size = pipe.components[tok_name], _vocab_size(pipe.components[enc_name])
+        assert len(tokenizer) == vocab_size
         ids = tokenizer("Ünïcödé ✓ 東京 \t tabs\nand  spaces <|endoftext|> </s>").input_ids
-        assert max(ids) < encoder.config.vocab_size
+        assert max(ids) < vocab_size
 
 
-def test_clip_tokenizer_is_byte_level(built: tuple[str, DiffusionPipeline]) -> None:
-    _, pipe = built
-    tokenizer = pipe.tokenizer
+@pytest.mark.parametrize("built", CLIP_TOKENIZERS, indirect=True)
+def test_clip_tokenizer_is_byte_level(built: WatchedBuild) -> None:
+    tokenizer = built.pipe.tokenizer
     assert tokenizer.model_max_length == 77
     text = "Crème brûlée 🍮 日本語 x"
     ids = tokenizer(text).input_ids
@@ -151,11 +213,17 @@ def test_clip_tokenizer_is_byte_level(built: tuple[str, DiffusionPipeline]) -> N
     assert len(padded) == 77
 
 
-def test_t5_tokenizer() -> None:
-    tiny_flux = builtin_model("tiny-flux")
-    tokenizer = tiny_flux.build().tokenizer_2
+@pytest.mark.parametrize("built", BYTE_LEVEL_TOKENIZERS, indirect=True)
+def test_byte_level_tokenizer_decodes_any_text_back(built: WatchedBuild) -> None:
+    tokenizer = built.pipe.tokenizer
+    assert tokenizer.decode(tokenizer("naïve café 🙂").input_ids) == "naïve café 🙂"
+
+
+@pytest.mark.parametrize("built", ["tiny-flux"], indirect=True)
+def test_t5_tokenizer(built: WatchedBuild) -> None:
+    tokenizer = built.pipe.tokenizer_2
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
-    length = tiny_flux.defaults.max_sequence_length
+    length = builtin_model("tiny-flux").defaults.max_sequence_length
     ids = tokenizer("Hello, World! ~42", padding="max_length", max_length=length).input_ids
     assert len(ids) == length
     assert tokenizer.unk_token_id not in ids
@@ -163,27 +231,3 @@ def test_t5_tokenizer() -> None:
     assert set(ids[eos_at + 1 :]) == {tokenizer.pad_token_id}
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Hello, World! ~42"
     assert tokenizer.unk_token_id in tokenizer("naïve").input_ids
-
-
-def test_defaults() -> None:
-    flux, sdxl = builtin_model("tiny-flux").defaults.to_dict(), builtin_model("tiny-sdxl").defaults.to_dict()
-    assert flux == {
-        "width": 64,
-        "height": 64,
-        "num_inference_steps": 4,
-        "guidance_scale": 3.5,
-        "max_sequence_length": 32,
-    }
-    assert sdxl == {"width": 64, "height": 64, "num_inference_steps": 4, "guidance_scale": 5.0}
-    for name in MODELS:
-        d = builtin_model(name).defaults
-        assert d.width % PIPELINE_SIZE_MULTIPLE[name] == 0 and d.height % PIPELINE_SIZE_MULTIPLE[name] == 0
-
-
-def test_torch_dtype() -> None:
-    pipe = builtin_model("tiny-flux").build(torch.bfloat16)
-    assert {p.dtype for m in _modules(pipe).values() for p in m.parameters()} == {torch.bfloat16}
-    reference = builtin_model("tiny-flux").build()
-    ref_sd = reference.transformer.state_dict()
-    for param, value in pipe.transformer.state_dict().items():
-        assert torch.equal(value, ref_sd[param].to(torch.bfloat16)), param
