@@ -86,13 +86,18 @@ def test_auto_compiles_only_the_buckets_it_may_choose() -> None:
 
 def test_a_request_whose_guidance_halves_the_batch_halves_the_rows_not_the_calls() -> None:
     from loraswap.server.engine.families import FLUX, SDXL
+    from loraswap.server.engine.types import ModelDefaults
 
     half = WORK.at_batch(0.5)
     assert (half.calls, half.macs_per_pixel, half.fixed_macs) == (WORK.calls, 50.0, 25_000.0)
     assert unfused_ms(COSTS, half, 16, 1, 64 * 64) < unfused_ms(COSTS, WORK, 16, 1, 64 * 64)
-    sdxl, flux = object(), object()  # pipelines these families' rules do not read
-    assert (SDXL.guidance_batch(sdxl, 5.0), SDXL.guidance_batch(sdxl, 1.0), SDXL.guidance_batch(sdxl, 0.0)) == (2, 1, 1)
-    assert FLUX.guidance_batch(flux, 3.5) == FLUX.guidance_batch(flux, 1.0) == 1
+    pipe = object()  # a pipeline these families' rules do not read
+    sdxl, dev = ModelDefaults(1024, 1024, 30, 5.0), ModelDefaults(1024, 1024, 28, 3.5)
+    true_cfg = ModelDefaults(64, 64, 20, 0.0, true_cfg_scale=3.0)
+    assert [SDXL.guidance_batch(pipe, sdxl, guidance) for guidance in (5.0, 1.0, 0.0)] == [2, 1, 1]
+    assert FLUX.guidance_batch(pipe, dev, 3.5) == FLUX.guidance_batch(pipe, dev, 1.0) == 1
+    # A FLUX.1 model that asks for true CFG (shapes) runs it at any guidance.
+    assert FLUX.guidance_batch(pipe, true_cfg, 0.0) == FLUX.guidance_batch(pipe, true_cfg, 3.5) == 2
 
 
 def test_only_flux2_klein_base_runs_classifier_free_guidance_and_warms_up_both_ways() -> None:
@@ -106,7 +111,19 @@ def test_only_flux2_klein_base_runs_classifier_free_guidance_and_warms_up_both_w
     distilled = Flux2KleinPipeline(**components, is_distilled=True)
     dev = Flux2Pipeline(**components)
     defaults = ModelDefaults(1024, 1024, 50, 4.0, 512)
-    assert (FLUX2.guidance_batch(base, 4.0), FLUX2.guidance_batch(base, 1.0)) == (2, 1)
-    assert FLUX2.guidance_batch(distilled, 4.0) == FLUX2.guidance_batch(dev, 4.0) == 1
+    assert (FLUX2.guidance_batch(base, defaults, 4.0), FLUX2.guidance_batch(base, defaults, 1.0)) == (2, 1)
+    assert FLUX2.guidance_batch(distilled, defaults, 4.0) == FLUX2.guidance_batch(dev, defaults, 4.0) == 1
     assert FLUX2.warm_up_guidance(base, defaults) == (4.0, 1.0)
     assert FLUX2.warm_up_guidance(distilled, defaults) == FLUX2.warm_up_guidance(dev, defaults) == (None,)
+
+
+def test_true_cfg_counts_two_images_a_step_in_calls_of_batch_one() -> None:
+    # The cost model counts the images a step computes; the attention measurement one call's batch.
+    from loraswap.server.engine.families import FLUX, QWEN_IMAGE, SDXL, Z_IMAGE
+    from loraswap.server.engine.types import ModelDefaults
+
+    pipe, true_cfg, plain = object(), ModelDefaults(64, 64, 20, 0.0, true_cfg_scale=3.0), ModelDefaults(64, 64, 20, 4.0)
+    assert (FLUX.guidance_batch(pipe, true_cfg, 0.0), FLUX.call_batch(pipe, true_cfg, 0.0)) == (2, 1)
+    assert (QWEN_IMAGE.guidance_batch(pipe, plain, 4.0), QWEN_IMAGE.call_batch(pipe, plain, 4.0)) == (2, 1)
+    assert (SDXL.call_batch(pipe, plain, 4.0), Z_IMAGE.call_batch(pipe, plain, 4.0)) == (2, 2)
+    assert Z_IMAGE.call_batch(pipe, plain, 0.0) == 1

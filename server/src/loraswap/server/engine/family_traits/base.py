@@ -50,6 +50,9 @@ class FamilyTraits:
     # The guidance above which the pipeline runs classifier-free guidance (a second image per step: a batch of 2,
     # or a second call); None: it never does (guidance embedded, or none), or the family says so itself.
     guidance_above: float | None = None
+    # Whether classifier-free guidance runs its two images as one denoiser call of batch 2 (SDXL, Z-Image); False:
+    # as two calls of batch 1 (true CFG: FLUX.1's, Qwen-Image's, FLUX.2 klein base's), so each call's batch stays 1.
+    guidance_in_one_call: bool = True
 
     def denoiser(self, pipe):
         """The pipeline's denoiser: the module adapters change."""
@@ -108,11 +111,15 @@ class FamilyTraits:
         # size needs both.
         return (defaults.guidance_scale if defaults.guidance_scale > above else WARM_UP_GUIDANCE, above)
 
-    def guidance_batch(self, pipe, guidance: float) -> int:
+    def guidance_batch(self, pipe, defaults: ModelDefaults, guidance: float) -> int:
         """How many images the denoiser computes per step at this guidance scale (classifier-free guidance: 2, as a
-        batch of 2 or as a second call)."""
+        batch of 2 or as a second call) for a model with these defaults."""
         above = self.classifier_free_guidance_above(pipe)
         return 2 if above is not None and guidance > above else 1
+
+    def call_batch(self, pipe, defaults: ModelDefaults, guidance: float) -> int:
+        """The batch of each denoiser call at this guidance scale (what its attention runs at)."""
+        return self.guidance_batch(pipe, defaults, guidance) if self.guidance_in_one_call else 1
 
     def latent_channels(self, pipe) -> int:
         """The channels of the latents spatial_latents gives (the VAE's latent space)."""

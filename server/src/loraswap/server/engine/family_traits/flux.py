@@ -27,6 +27,10 @@ class FluxTraits(PatchifiedTraits):
             }  # fmt: skip
         return {"guidance_scale": guidance_scale}
 
+    def guidance_batch(self, pipe, defaults: ModelDefaults, guidance: float) -> int:
+        # A model that asks for true CFG (defaults.true_cfg_scale, e.g. shapes) runs it at every guidance.
+        return 2 if defaults.true_cfg_scale > 1.0 else 1
+
     def spatial_latents(self, pipe, latents, height: int, width: int):
         # Flux denoises 2x2 latent patches packed into tokens: (batch, tokens, channels * 4).
         return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
@@ -68,4 +72,5 @@ FLUX = FluxTraits(
         "lora_te1": "text_encoder",
     },
     latent_rgb=FLUX_LATENT_RGB,
+    guidance_in_one_call=False,  # true CFG (a model that asks for it) is a second call
 )  # fmt: skip

@@ -75,4 +75,5 @@ FLUX2 = Flux2Traits(
     kohya_prefixes={"lora_unet": "transformer", "lycoris": "transformer"},
     reads_module_path_files=True,
     latent_rgb=FLUX2_LATENT_RGB,
+    guidance_in_one_call=False,  # klein base's CFG is a second call
 )  # fmt: skip

@@ -63,5 +63,6 @@ QWEN_IMAGE = QwenImageTraits(
     text_length_varies=True,  # padded to the longest prompt of a call, not to max_sequence_length
     reads_module_path_files=True,
     guidance_above=1.0,  # true CFG, two calls of batch 1
+    guidance_in_one_call=False,
     latent_rgb=QWEN_IMAGE_LATENT_RGB,
 )  # fmt: skip

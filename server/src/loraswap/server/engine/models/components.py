@@ -227,10 +227,14 @@ def sdxl_components(unet: ModelMixin, *, clip_widths: tuple[int, int], vae: Auto
 
 def named_pipeline(name: str, pipeline_cls: type[DiffusionPipeline], components: dict[str, Any]) -> DiffusionPipeline:
     """The pipeline of `components`, with the built-in `name` recorded as its origin everywhere one is kept."""
-    pipe = pipeline_cls(**components)
-    # The builtin name (not a Hub repo id) as every name_or_path, so nothing mistakes these models for Hub ones.
+    return with_origin(pipeline_cls(**components), name)
+
+
+def with_origin(pipe: DiffusionPipeline, name: str) -> DiffusionPipeline:
+    """`pipe` with the built-in `name` (not a Hub repo id, nor the folder it was loaded from) as every name_or_path,
+    so nothing mistakes it for a Hub model and no exported folder carries this machine's paths."""
     pipe.register_to_config(_name_or_path=name)
-    for module in components.values():
+    for module in pipe.components.values():
         if isinstance(module, PreTrainedModel):
             module.config._name_or_path = name
         elif isinstance(module, ModelMixin):

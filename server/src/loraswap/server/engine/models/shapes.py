@@ -56,6 +56,6 @@ def build_shapes_pipeline(torch_dtype):
     """Load the shipped `shapes` pipeline (a FluxPipeline) on CPU in ``torch_dtype``; identical weights on every call."""
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(_WEIGHTS, dtype=torch_dtype, local_files_only=True)
-    pipe.register_to_config(_name_or_path="shapes")
-    return pipe
+    from loraswap.server.engine.models.components import with_origin
+
+    return with_origin(FluxPipeline.from_pretrained(_WEIGHTS, dtype=torch_dtype, local_files_only=True), "shapes")

@@ -132,7 +132,7 @@ def attention_shape(loaded: LoadedModel, size: int | None = None) -> AttentionSh
     when its attention does not go through diffusers' backends (SDXL's UNet) or its config does not say its heads.
 
     Flux's blocks attend over one joint sequence: the packed latent patches (a token per `size_multiple` pixels
-    each way) and the T5 prompt, padded to its max_sequence_length; a step's batch is the guidance batch.
+    each way) and the T5 prompt, padded to its max_sequence_length; a call's batch is the guidance's (call_batch).
     """
     denoiser = loaded.denoiser
     heads = getattr(denoiser.config, "num_attention_heads", None)
@@ -144,7 +144,7 @@ def attention_shape(loaded: LoadedModel, size: int | None = None) -> AttentionSh
     text_tokens = defaults.max_sequence_length or _call_default(loaded.pipe, "max_sequence_length") or 0
     height, width = (size, size) if size is not None else (defaults.height, defaults.width)
     return AttentionShape(
-        batch=loaded.traits.guidance_batch(loaded.pipe, defaults.guidance_scale),
+        batch=loaded.traits.call_batch(loaded.pipe, defaults, defaults.guidance_scale),
         heads=heads,
         tokens=(height // multiple) * (width // multiple) + text_tokens,
         head_dim=head_dim,

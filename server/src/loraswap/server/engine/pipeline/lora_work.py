@@ -27,9 +27,9 @@ COUNT_PROMPT = "a counted step"
 def work_at_guidance(loaded: LoadedModel, work: LoraWork, guidance: float) -> LoraWork:
     """`work` (counted at the default guidance) for a request at `guidance`: its rows scaled by the denoiser's batch
     there over the counted one's (SDXL's classifier-free guidance on or off)."""
-    traits, pipe = loaded.traits, loaded.pipe
+    traits, pipe, defaults = loaded.traits, loaded.pipe, loaded.defaults
     return work.at_batch(
-        traits.guidance_batch(pipe, guidance) / traits.guidance_batch(pipe, loaded.defaults.guidance_scale)
+        traits.guidance_batch(pipe, defaults, guidance) / traits.guidance_batch(pipe, defaults, defaults.guidance_scale)
     )
 
 
