@@ -189,11 +189,16 @@ async def test_text_encoder_layers_these_families_cannot_apply_are_refused_by_na
     assert np.array_equal(await _image(client, adapter="attn"), before)
 
 
-async def test_nothing_compiles_after_start_up(case):
-    # Compiled (TEST_COMPILE_BACKEND) under --fuse auto: adapters, a stack, a LoHa, another size and prompts of
-    # other lengths (Qwen-Image's and Z-Image's text is as long as the prompt), each repeated bit for bit. Z-Image's
-    # start takes a minute here: its warm-up compiles a graph for each guidance batch, size class and prompt length.
-    async with serving(case.model, case.adapters, max_rank=8, fuse="auto") as running, client_of(running) as client:
+@pytest.mark.parametrize("compile_mode", ["full", "regional"])
+async def test_nothing_compiles_after_start_up(case, compile_mode):
+    # Compiled (TEST_COMPILE_BACKEND; the whole transformer, or its repeated blocks) under --fuse auto: adapters, a
+    # stack, a LoHa, another size and prompts of other lengths (Qwen-Image's and Z-Image's text is as long as the
+    # prompt), each repeated bit for bit. Z-Image's full start takes a minute here: its warm-up compiles a graph for
+    # each guidance batch, size class and prompt length.
+    async with (
+        serving(case.model, case.adapters, max_rank=8, fuse="auto", compile=compile_mode) as running,
+        client_of(running) as client,
+    ):
         size = case.defaults.width + 2 * (await client.server_info()).size_multiple
         requests = [
             {}, {"adapter": "attn"}, {"adapters": [("attn", 0.8), ("mlp", 0.6)]}, {"adapter": "loha"},
