@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraswap.server.engine.adapters.formats import CanonicalAdapter, SlotSpec, load_canonical
+from loraswap.server.engine.adapters.formats import CanonicalAdapter, SlotSpec, load_canonical, text_encoder_of
 from loraswap.server.engine.adapters.sources import AdapterFile
 from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError
 from tests.unit.adapters.formats.family_models import TINY, model, slot_spec
@@ -127,3 +127,20 @@ def test_components_that_are_no_text_encoder_stay_refused_under_ignore(tmp_path:
     with pytest.raises(AdapterFormatError) as refused:
         _load(path, dataclasses.replace(slot_spec("qwen-image", tiny=True), text_encoder_layers="ignore"))
     assert refused.value.reason == "ADAPTER_UNSUPPORTED_TENSORS" and f"{component} (2 tensors)" in refused.value.message
+
+
+def test_every_familys_kohya_prefixes_agree_with_what_names_a_text_encoder_part() -> None:
+    # The families that read text-encoder layers name their kohya prefixes in their traits; the families that take
+    # none set apart what text_encoder_parts names. One rule must hold for both: a prefix is a text encoder's
+    # exactly when text_encoder_of says so.
+    from loraswap.server.engine.families import FAMILIES
+
+    for traits in FAMILIES.values():
+        for prefix, component in traits.kohya_prefixes.items():
+            is_text_encoder = component in traits.text_encoders
+            assert (text_encoder_of(f"{prefix}_text_model_encoder_layers_0_mlp_fc1.lora_down.weight") is not None) == (
+                is_text_encoder
+            ), (traits.family, prefix)
+        for component in traits.text_encoders:
+            assert text_encoder_of(f"{component}.text_model.encoder.layers.0.mlp.fc1.lora_A.weight") == component
+        assert text_encoder_of(f"{traits.denoiser_attribute}.x.lora_A.weight") is None

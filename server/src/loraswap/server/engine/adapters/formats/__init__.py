@@ -58,6 +58,9 @@ from loraswap.server.engine.adapters.formats.original_names import (
     original_layer,
     sgm_to_diffusers,
 )
+from loraswap.server.engine.adapters.formats.text_encoder_parts import (
+    text_encoder_of,
+)
 from loraswap.server.engine.adapters.formats.weight_changes import (
     LayerChange,
 )
@@ -88,4 +91,5 @@ __all__ = [
     "refuse_strengths",
     "sgm_to_diffusers",
     "slot_effect",
+    "text_encoder_of",
 ]
