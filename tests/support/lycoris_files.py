@@ -83,12 +83,12 @@ def write_lycoris_file(
 @torch.no_grad()
 def _draw(parameters, generator: torch.Generator, std: float, *, whole_weights: bool = False) -> None:
     """Every trainable tensor at random: magnitudes around their start, full differences small, factors at `std`.
-    `whole_weights`: the parameters named weight/bias are a full module's whole weights."""
+    `whole_weights`: the parameters named (or ending in) weight/bias are full modules' whole weights."""
     for name, parameter in parameters:
         noise = torch.randn(parameter.shape, generator=generator)
         if name.endswith("dora_scale"):
             parameter.mul_(1 + 0.2 * noise)
-        elif name.endswith(("diff", "diff_b")) or (whole_weights and name in ("weight", "bias")):
+        elif name.endswith(("diff", "diff_b")) or (whole_weights and name.rpartition(".")[2] in ("weight", "bias")):
             parameter.add_(0.1 * std * noise)
         else:
             parameter.copy_(std * noise)
@@ -165,3 +165,60 @@ def probe(module: torch.nn.Module, generator: torch.Generator) -> torch.Tensor:
     if isinstance(module, torch.nn.Linear):
         return torch.randn(3, module.in_features, generator=generator)
     return torch.randn(1, module.in_channels, 6, 6, generator=generator)
+
+
+# The newer families' transformers, through LyCORIS's general network (`lycoris.create_lycoris`, as SimpleTuner and
+# LyCORIS's own scripts train them), which names layers `lycoris_<transformer module path>`. Each preset names the
+# family's block classes (LyCORIS's "full" preset names Qwen-Image's and Z-Image's, none of FLUX.2's) and input
+# projections outside them by path. The transformers hold linear layers only: no conv, so no Tucker kinds.
+TRANSFORMER_PRESETS = {
+    "qwen-image": dict(target_module=["QwenImageTransformerBlock"], target_name=["img_in", "txt_in"]),
+    "z-image": dict(target_module=["ZImageTransformerBlock"], target_name=["cap_embedder.1"]),
+    "flux2": dict(
+        target_module=["Flux2TransformerBlock", "Flux2SingleTransformerBlock"],
+        target_name=["x_embedder", "context_embedder"],
+    ),
+}
+# Every other preset key, given each time: the network keeps the last preset's as class state.
+_TRANSFORMER_PRESET_REST = dict(
+    enable_conv=False, module_algo_map={}, name_algo_map={}, lora_prefix="lycoris", use_fnmatch=False, exclude_name=[]
+)
+TRANSFORMER_PRESET_NAME = "loraswap-tests-transformer"
+# name -> create_lycoris keywords: one file per kind that applies to linear layers.
+TRANSFORMER_KINDS = {
+    "lora": dict(algo="lora"),
+    "loha": dict(algo="loha"),
+    "lokr": dict(algo="lokr", factor=4),
+    "lokr-whole": dict(algo="lokr", factor=4, full_matrix=True),  # both factors whole: alpha must not scale them
+    "full": dict(algo="full"),
+    "dora": dict(algo="lora", dora_wd=True),
+    "loha-dora": dict(algo="loha", dora_wd=True),
+}
+
+
+def write_transformer_lycoris_file(path: Path, transformer: torch.nn.Module, kind: dict, preset: dict, *, seed: int,
+                                   std: float = 0.3, rank: int = 4, alpha: float = 2.0) -> Path:  # fmt: skip
+    """Write one LyCORIS file of `kind` (create_lycoris keywords) for the layers of `transformer` that `preset`
+    (TRANSFORMER_PRESETS' keys) names, as the general network saves them; the transformer is left as it was."""
+    from lycoris import create_lycoris
+    from lycoris.config import PRESET
+
+    PRESET[TRANSFORMER_PRESET_NAME] = {**_TRANSFORMER_PRESET_REST, **preset}
+    network = create_lycoris(transformer, 1.0, rank, alpha, preset=TRANSFORMER_PRESET_NAME, **kind)
+    network.apply_to()  # registers the modules, whose state the file is
+    _draw(network.named_parameters(), torch.Generator().manual_seed(seed), std, whole_weights=kind["algo"] == "full")
+    network.save_weights(str(path), torch.float32, None)
+    network.restore()
+    return path
+
+
+def applied_transformer_network(path: Path, transformer: torch.nn.Module, multiplier: float):
+    """The general LyCORIS network of the file applied to `transformer` (its modules' forwards now compute the
+    adapter at `multiplier`). The file's layer names say which modules; of a preset only the prefix counts."""
+    from lycoris import create_lycoris_from_weights
+    from lycoris.wrapper import LycorisNetwork
+
+    LycorisNetwork.apply_preset({"lora_prefix": _TRANSFORMER_PRESET_REST["lora_prefix"]})
+    network, _ = create_lycoris_from_weights(multiplier, str(path), transformer)
+    network.apply_to()
+    return network

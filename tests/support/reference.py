@@ -77,16 +77,20 @@ class DiffusersReference:
 
 class LycorisReference(DiffusersReference):
     """Images from a fresh plain-diffusers pipeline with a LyCORIS file applied by the LyCORIS package's own
-    network (tests/support/lycoris_files.py): its modules' forwards compute the adapter at `scale`."""
+    network (tests/support/lycoris_files.py): its modules' forwards compute the adapter at `scale`. SDXL's files are
+    its kohya network's (UNet and text encoders); the newer families' its general network's on the transformer."""
 
     def lycoris_image(self, name: str, scale: float, *, prompt: str, seed: int, steps: int, guidance: float,
                       text_encoders: bool = True, preset: dict | None = None) -> np.ndarray:  # fmt: skip
-        from tests.support.lycoris_files import TEST_PRESET, applied_network
+        from tests.support.lycoris_files import TEST_PRESET, applied_network, applied_transformer_network
 
         key = ("lycoris", name, scale, prompt, seed, steps, guidance, text_encoders)
         if key not in self._cache:
             pipe = self._pipeline()
             path = self.adapter_dir / f"{name}.safetensors"
-            applied_network(path, pipe, scale, preset or TEST_PRESET, text_encoders=text_encoders)
+            if self.family == "sdxl":
+                applied_network(path, pipe, scale, preset or TEST_PRESET, text_encoders=text_encoders)
+            else:
+                applied_transformer_network(path, pipe.transformer, scale)
             self._cache[key] = self._run(pipe, {}, prompt, seed, steps, guidance, 64, 64)
         return self._cache[key]
