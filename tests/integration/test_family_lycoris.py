@@ -121,11 +121,6 @@ async def test_an_unsupported_kind_is_refused_naming_it_and_the_server_serves_on
     assert (await _image(client, [])).data == base
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="formats/key_layouts.py's LAYER_NAME ([A-Za-z0-9_]+) takes no '-', so `lycoris_all_x_embedder_2-1` is "
-    "not read as a kohya-style layer: the file goes to the diffusers reader, which refuses it (INVALID_ARGUMENT)",
-)
 @pytest.mark.parametrize("case", ["tiny-z-image"], indirect=True)
 async def test_z_image_layers_keyed_by_patch_size_are_read(client, case) -> None:
     image = await _image(client, [(PATCH_LAYERS, 1.0)])

@@ -188,13 +188,15 @@ def test_diffusers_named_layouts_diffusers_converters_miss_are_read(tmp_path: Pa
     assert_deltas(dense_deltas(load(path, family), family), expected)
 
 
-def test_a_comfy_file_kohya_cannot_spell_is_read_by_diffusers_converter(tmp_path: Path) -> None:
-    """Z-Image's per-patch-size layers (`all_x_embedder.2-1`) have a '-', which no kohya name holds: the file goes to
-    diffusers' converter whole, which reads it."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_z_image_layers_keyed_by_patch_size_are_read_in_every_layout(tmp_path: Path, layout: str) -> None:
+    """Z-Image's per-patch-size layers (`all_x_embedder.2-1`, `all_final_layer.2-1.…`) have a '-' in their module
+    path, which kohya-style names keep (`lora_unet_all_x_embedder_2-1`, as LyCORIS writes them)."""
     file_layers = {"all_x_embedder.2-1": [("all_x_embedder.2-1", ALL)],
+                   "all_final_layer.2-1.linear": [("all_final_layer.2-1.linear", ALL)],
                    "layers.0.attention.to_v": [("layers.0.attention.to_v", ALL)]}  # fmt: skip
     path = tmp_path / "adapter.safetensors"
-    expected = write_file(path, "z-image", file_layers, LAYOUTS["comfy lora_A"])
+    expected = write_file(path, "z-image", file_layers, LAYOUTS[layout])
     assert_deltas(dense_deltas(load(path, "z-image"), "z-image"), expected)
 
 

@@ -44,7 +44,8 @@ UNSUPPORTED_KIND_TENSORS = {
     "lokr_t1": "LoKr with a Tucker core on w1",
 }  # fmt: skip
 BOFT = "BOFT (butterfly orthogonal fine-tuning)"
-LAYER_NAME = re.compile(r"[A-Za-z0-9_]+")
+# A kohya-style layer name: a module path with "_" for "." (module names keep their "-": Z-Image's "all_x_embedder.2-1")
+LAYER_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _unsupported_kind(name: str, tensor: torch.Tensor) -> str:
