@@ -365,3 +365,16 @@ def test_flux1_and_sdxl_files_reach_their_readers_as_before(family: ModelFamily)
     assert renamed is state and spellings == {}
     keys, alphas = normalised_keys(state, family, "transformer", {"transformer_blocks.0.attn.to_q": None})
     assert keys is state and alphas is None  # the very dict: a converter that consumes it does as before
+
+
+def test_a_fusing_server_refuses_a_layer_the_model_lacks_without_telling_it_to_fuse(tmp_path: Path) -> None:
+    # The tiny transformer has blocks 0 and 1: block 7's to_k is no layer of it, which no restart would serve.
+    path = tmp_path / "elsewhere.safetensors"
+    down, up = torch.randn(RANK, 24), torch.randn(24, RANK)
+    save_file({f"transformer.transformer_blocks.{block}.attn.to_k.lora_{factor}.weight": tensor.clone()
+               for block in (0, 7) for factor, tensor in (("A", down), ("B", up))}, str(path))  # fmt: skip
+    with pytest.raises(AdapterIncompatibleError) as refused:
+        load(path, "flux2")  # fusing: a layer outside the slot would be merged
+    assert refused.value.reason == "ADAPTER_LAYER_NOT_TARGETED"
+    assert "transformer_blocks.7.attn.to_k" in refused.value.message
+    assert "no layer of this model" in refused.value.message and "--fuse" not in refused.value.message

@@ -21,7 +21,6 @@ from loraswap.server.engine.adapters.formats.admission import (
     ReadAdapter,
     SlotSpec,
     check_layers,
-    refuse_outside_slot,
     slot_layer,
 )
 from loraswap.server.engine.adapters.formats.canonical_adapter import CanonicalLayer
@@ -31,7 +30,7 @@ from loraswap.server.engine.adapters.formats.lora_config import layer_scalings
 from loraswap.server.engine.adapters.formats.lycoris_layers import read_layers
 from loraswap.server.engine.adapters.formats.tensor_checks import check_dtype, check_tensors, refuse_non_finite
 from loraswap.server.engine.adapters.formats.weight_changes import LayerChange
-from loraswap.server.engine.errors import AdapterFormatError, ErrorReason, shorten
+from loraswap.server.engine.errors import AdapterFormatError, AdapterIncompatibleError, ErrorReason, shorten
 from loraswap.server.engine.families import FAMILIES
 
 # What diffusers' converters end in for a file whose layout they do not read.
@@ -188,7 +187,14 @@ def _low_rank_changes(
                    "lora_up.weight": state_dict[f"{module}.lora_B.weight"]}  # fmt: skip
         layers.append(FileLayer(component, resolved, module, tensors))
     if unknown and component == spec.denoiser:
-        refuse_outside_slot(unknown)  # as without fusing: no layer a swap reaches
+        # The reason a layer outside the slot has without fusing, but no restart serves these: the model lacks them.
+        raise AdapterIncompatibleError(
+            f"the adapter changes {len(unknown)} layer(s) that are no layer of this model's {component} "
+            f"(e.g. {shorten(', '.join(shorten(name, 80) for name in unknown[:3]))}): no --target-modules or fused "
+            "swap reaches them; it was made for another model, or in a layout this server does not read",
+            reason=ErrorReason.ADAPTER_LAYER_NOT_TARGETED,
+            layers=len(unknown),
+        )
     if unknown:
         raise AdapterFormatError(
             f"{len(unknown)} layer(s) of the adapter are no layer of this model's {component} "
