@@ -6,8 +6,8 @@ path>` names, as SimpleTuner and LyCORIS's own scripts save them; tests/support/
 applies to linear layers: LoRA, LoHa, LoKr (a factored and a whole second factor), full, DoRA and LoHa with DoRA. The
 transformers hold no conv, so the Tucker kinds (LoHa's and LoCon's cores) do not arise. Each image equals the LyCORIS
 network's own forward on plain diffusers' pipeline from the model's exported folder, and an IA³ file is refused with
-SDXL's code, reason and kind name, changing nothing. Z-Image's layers keyed by patch size (`all_x_embedder.2-1`) are
-not read yet: that test is an expected failure until the server reads them.
+SDXL's code, reason and kind name, changing nothing. Z-Image's layers keyed by patch size (`all_x_embedder.2-1`,
+whose flattened name keeps the '-') are served too.
 """
 
 from __future__ import annotations
