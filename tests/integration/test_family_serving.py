@@ -108,13 +108,17 @@ SHOWCASE = {"qwen-image": "kohya", "z-image": "fused-qkv", "flux2": "fused-qkv"}
 STACK = {"qwen-image": [("comfyui", 0.7), ("kohya", -0.5)], "z-image": [("diffsynth", 0.7), ("fused-qkv", 0.5)],
          "flux2": [("kohya", 0.7), ("fused-qkv", 0.5)]}  # fmt: skip
 # A file of a layer outside the slot's target layers, which only a fused swap applies: each family's input
-# projection, in the family's ComfyUI spelling (FLUX.2's BFL `img_in` is diffusers' `x_embedder`). Beside it, "wide"
-# is the showcase layout at a rank over --max-rank.
+# projection, in the family's ComfyUI spelling (FLUX.2's BFL `img_in` is diffusers' `x_embedder`; with FLUX.2's
+# modulations, each one module every block of its stream shares, merged once). Beside it, "wide" is the showcase
+# layout at a rank over --max-rank.
 OUTSIDE = {
     "qwen-image": LayoutFile("comfyui", whole("img_in"), diffusers_reads=True),
     "z-image": LayoutFile("comfyui", whole("cap_embedder.1"), diffusers_reads=True),
-    "flux2": LayoutFile("comfyui", {"img_in": ("x_embedder",)}, diffusers_reads=False),
-}
+    "flux2": LayoutFile("comfyui", {"img_in": ("x_embedder",),
+                                    "double_stream_modulation_img.lin": ("double_stream_modulation_img.linear",),
+                                    "single_stream_modulation.lin": ("single_stream_modulation.linear",)},
+                        diffusers_reads=False),
+}  # fmt: skip
 
 
 # The down factor's key ends, in the layouts above.
