@@ -378,3 +378,25 @@ def test_a_fusing_server_refuses_a_layer_the_model_lacks_without_telling_it_to_f
     assert refused.value.reason == "ADAPTER_LAYER_NOT_TARGETED"
     assert "transformer_blocks.7.attn.to_k" in refused.value.message
     assert "no layer of this model" in refused.value.message and "--fuse" not in refused.value.message
+
+
+@pytest.mark.parametrize("family", ["qwen-image", "flux2"])
+def test_alphas_in_diffusers_names_mean_what_they_mean_in_kohya_names(tmp_path: Path, family: str) -> None:
+    # Per layer: its own alpha; none, or 0, is alpha = rank. One file means one thing in every spelling.
+    generator = torch.Generator().manual_seed(5)
+    alphas = {"to_q": 0.0, "to_k": None, "to_v": 1.5}
+    expected, diffusers_named, kohya_named = {}, {}, {}
+    for name, alpha in alphas.items():
+        module = f"transformer_blocks.0.attn.{name}"
+        down, up = torch.randn(RANK, 24, generator=generator), torch.randn(24, RANK, generator=generator)
+        expected[module] = up @ down * ((alpha or RANK) / RANK)
+        diffusers_named |= {f"transformer.{module}.lora_A.weight": down, f"transformer.{module}.lora_B.weight": up}
+        kohya_named |= {f"lora_unet_{_flat(module)}.lora_down.weight": down.clone(),
+                        f"lora_unet_{_flat(module)}.lora_up.weight": up.clone()}  # fmt: skip
+        if alpha is not None:
+            diffusers_named[f"transformer.{module}.alpha"] = torch.tensor(alpha)
+            kohya_named[f"lora_unet_{_flat(module)}.alpha"] = torch.tensor(alpha)
+    for spelling, tensors in (("diffusers", diffusers_named), ("kohya", kohya_named)):
+        path = tmp_path / f"{spelling}.safetensors"
+        save_file(tensors, str(path))
+        assert_deltas(dense_deltas(load(path, family), family), expected)

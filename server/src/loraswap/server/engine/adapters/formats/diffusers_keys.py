@@ -11,8 +11,9 @@ in ways their converters miss, so they are normalised first (`normalised_keys`, 
   denoiser's prefix.
 - kohya's names beside diffusers' module paths: `alpha` tensors (`transformer.….alpha`), which the Qwen-Image and
   Z-Image converters double the prefix of and FLUX.2's leaves as tensors no LoRA has, become the file's alphas,
-  which PEFT's config gets as FLUX.1's do (lora_config.py: a layer without one gets the file's most common alpha);
-  `lora_down`/`lora_up` factors (which FLUX.2's kohya converter drops) are `lora_A`/`lora_B`.
+  one for every layer as kohya's names mean them (a layer without one, or with 0, has alpha = rank), which PEFT's
+  config then gets per layer; `lora_down`/`lora_up` factors (which FLUX.2's kohya converter drops) are
+  `lora_A`/`lora_B`.
 A converter that makes nothing of a non-empty file (FLUX.2's kohya converter, given names it does not know) is
 refused, saying which layouts are read (`refuse_nothing_converted`): never an adapter that changes nothing.
 FLUX.1's and SDXL's files reach their converters untouched.
@@ -69,7 +70,20 @@ def normalised_keys(
             alphas[name] = alpha_value(key.removesuffix(".alpha"), value)
         else:
             keys[name] = value
-    return keys, alphas or None
+    return keys, _every_layers_alpha(keys, alphas) if alphas else None
+
+
+def _every_layers_alpha(keys: Mapping[str, torch.Tensor], alphas: dict[str, float]) -> dict[str, float]:
+    """The file's alphas with one for every layer, as kohya's names mean them (key_layouts.py): a layer's alpha is
+    its own, and a layer without one, or with 0, has alpha = rank (scale 1). Left to PEFT's config, a layer without
+    one would take the file's most common alpha, and an alpha of 0 would switch its layer off: one file would mean
+    something else in diffusers' names than in kohya's or ComfyUI's."""
+    complete = {}
+    for key, down in keys.items():
+        if key.endswith(".lora_A.weight") and down.ndim >= 1:
+            alpha = f"{key.removesuffix('.lora_A.weight')}.alpha"
+            complete[alpha] = alphas.get(alpha) or float(down.shape[0])
+    return complete | {key: value for key, value in alphas.items() if key not in complete}
 
 
 def refuse_nothing_converted(
