@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loraswap.server.config import Settings, SettingsError, add_serve_arguments, settings_from_args
-from loraswap.server.engine.compile_options import compile_mode_label, effective_compile_mode
+from loraswap.server.engine.compile_options import compile_mode_label, effective_compile_mode, resolve_compile_kind
 from loraswap.server.engine.config import EngineConfig
 from loraswap.server.engine.pipeline.compile_cache import CompileCacheKey, compile_cache_scope, runtime_cache_key
 
@@ -91,6 +91,19 @@ def test_old_switch_values_in_code_mean_full_and_none() -> None:
 )
 def test_cuda_graph_modes_fall_back_off_cuda(mode: str, device: str, effective: str) -> None:
     assert effective_compile_mode(mode, device) == effective
+
+
+def test_unset_compile_is_the_familys_kind_on_cuda_and_none_elsewhere() -> None:
+    from loraswap.server.engine.families import FAMILIES, Z_IMAGE
+
+    # Z-Image compiled whole would compile a graph for new prompt and negative prompt lengths: regional by default.
+    assert {traits.family.value: traits.compile_kind for traits in FAMILIES.values()} == {
+        "flux": "full", "sdxl": "full", "qwen-image": "full", "z-image": "regional", "flux2": "full",
+    }  # fmt: skip
+    assert resolve_compile_kind(None, "cuda", Z_IMAGE.compile_kind) == "regional"
+    assert resolve_compile_kind(None, "cuda") == "full"
+    assert resolve_compile_kind(None, "cpu", Z_IMAGE.compile_kind) == "none"
+    assert resolve_compile_kind("full", "cuda", Z_IMAGE.compile_kind) == "full"  # as the operator says
 
 
 def test_compile_mode_labels() -> None:

@@ -47,11 +47,12 @@ def compile_options_problem(kind: str | None, mode: str, backend: str) -> str | 
     return None
 
 
-def resolve_compile_kind(kind: str | None, device_type: str) -> str:
-    """The kind a runtime uses: the configured one, or full on CUDA and none elsewhere when unset."""
+def resolve_compile_kind(kind: str | None, device_type: str, family_kind: str = "full") -> str:
+    """The kind a runtime uses: the configured one, or when unset the family's (`family_kind`: full but for Z-Image,
+    regional) on CUDA and none elsewhere."""
     if kind is not None:
         return kind
-    return "full" if device_type == "cuda" else "none"
+    return family_kind if device_type == "cuda" else "none"
 
 
 def effective_compile_mode(mode: str, device_type: str) -> str:

@@ -140,7 +140,7 @@ class EngineConfig:
         None,
         "torch.compile the whole denoiser (full; --compile alone), only its repeated blocks (regional: compiles "
         "faster) or nothing (none; also --no-compile; true/false in the variable mean full/none) (default: full on "
-        "CUDA, none on CPU)",
+        "CUDA, regional for Z-Image, none on CPU)",
         parse=normalize_compile,
         choices=COMPILE_KINDS,
         const="full",

@@ -53,6 +53,8 @@ class FamilyTraits:
     # Whether classifier-free guidance runs its two images as one denoiser call of batch 2 (SDXL, Z-Image); False:
     # as two calls of batch 1 (true CFG: FLUX.1's, Qwen-Image's, FLUX.2 klein base's), so each call's batch stays 1.
     guidance_in_one_call: bool = True
+    # The torch.compile kind a CUDA server uses when --compile is unset (compile_options.py).
+    compile_kind: str = "full"
 
     def denoiser(self, pipe):
         """The pipeline's denoiser: the module adapters change."""

@@ -43,5 +43,9 @@ Z_IMAGE = ZImageTraits(
     text_length_varies=True,  # each prompt unpadded, the transformer pads it to a multiple of 32
     reads_module_path_files=True,
     guidance_above=0.0,  # ZImagePipeline's do_classifier_free_guidance
+    # Compiled whole, its forward branches in Python on each text's padding to 32 tokens and on which of a CFG
+    # batch's texts is longer: a prompt and negative prompt of new lengths compile a new graph. Its repeated blocks
+    # see none of that (the padding runs eagerly around them), so by default it compiles them only.
+    compile_kind="regional",
     latent_rgb=FLUX_LATENT_RGB,
 )  # fmt: skip

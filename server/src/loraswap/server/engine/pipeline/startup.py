@@ -88,7 +88,7 @@ def start_runtime(config: EngineConfig, stop: StartupStop | None = None) -> Diff
     if weights.quantization != "none":
         clock.done("quantize", f"{weights.quantization}, denoiser weights {weights.denoiser_weight_bytes} bytes")
     stop.enter("compile")
-    compiling = resolve_compile_kind(config.compile, loaded.device.type)
+    compiling = resolve_compile_kind(config.compile, loaded.device.type, loaded.traits.compile_kind)
     if compiling != "none":
         clock.begin("compile", f"{compiling}, backend {config.compile_backend}, the attention backend first")
     compiled = compile_denoiser(config, loaded, installed)
@@ -244,7 +244,7 @@ def compile_denoiser(config: EngineConfig, loaded: LoadedModel, installed: Insta
     """Set the attention backend (the graphs are traced from it), then torch.compile the denoiser as --compile says."""
     started = time.perf_counter()
     attention_backend = choose_attention(config.attention, loaded)  # measured on Hopper when unset
-    kind = resolve_compile_kind(config.compile, loaded.device.type)
+    kind = resolve_compile_kind(config.compile, loaded.device.type, loaded.traits.compile_kind)
     if kind != "none":
         log_step("compile", started, f"attention {attention_backend}; wrapping the denoiser in torch.compile")
     mode = effective_compile_mode(config.compile_mode, loaded.device.type)
