@@ -167,6 +167,15 @@ def test_a_model_that_ignores_negative_prompts_warns_only_when_one_is_sent():
     assert RULES.warnings(RULES.resolve(request(negative_prompt="fog"))) == ()
 
 
+def test_a_negative_prompt_at_a_guidance_that_does_not_read_it_is_warned_about():
+    # SDXL and Qwen-Image read a negative prompt only above guidance 1, Z-Image above 0.
+    guided = dataclasses.replace(RULES, negative_prompt_read_above=1.0)
+    (warning,) = guided.warnings(guided.resolve(request(negative_prompt="fog", guidance_scale=1.0)))
+    assert "ignored at guidance_scale 1" in warning and "above 1" in warning
+    assert guided.warnings(guided.resolve(request(negative_prompt="fog", guidance_scale=1.5))) == ()
+    assert guided.warnings(guided.resolve(request(guidance_scale=0.0))) == ()
+
+
 def test_rules_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         RULES.max_size = 4096  # type: ignore[misc]

@@ -35,6 +35,9 @@ class RequestRules:
     max_size: int  # largest width or height
     # Why the model ignores negative prompts (the warning a request sending one gets); None: it reads them.
     ignored_negative_prompt: str | None = None
+    # The guidance above which the model reads a negative prompt (it runs classifier-free guidance there); None: at
+    # any guidance it reads one at all.
+    negative_prompt_read_above: float | None = None
     max_stack: int = DEFAULT_MAX_STACK  # most entries `adapters` may have
     # Fewest steps the model's scheduler can take (2 where one step divides by zero, as Qwen-Image's terminal shift).
     min_steps: int = 1
@@ -86,6 +89,13 @@ class RequestRules:
         """What the caller should know about how these parameters will be read."""
         if params.negative_prompt and self.ignored_negative_prompt:
             return (self.ignored_negative_prompt,)
+        above = self.negative_prompt_read_above
+        if params.negative_prompt and above is not None and params.guidance_scale <= above:
+            ignored = (
+                f"negative_prompt is ignored at guidance_scale {params.guidance_scale:g}: this model reads it only "
+                f"above {above:g}, where it runs classifier-free guidance"
+            )
+            return (ignored,)
         return ()
 
     def _adapters(self, request: GenerationRequest, scale: float) -> tuple[StackedAdapter, ...]:

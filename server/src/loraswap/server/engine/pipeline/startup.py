@@ -141,6 +141,7 @@ def load(config: EngineConfig) -> LoadedModel:
             max_size=config.max_size,
             max_stack=config.max_stack,
             ignored_negative_prompt=traits.ignored_negative_prompt(defaults),
+            negative_prompt_read_above=traits.classifier_free_guidance_above(pipe),
             min_steps=traits.min_steps(pipe),
         ),
         previewer=LatentPreviewer(
