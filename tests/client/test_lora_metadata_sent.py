@@ -47,6 +47,9 @@ async def test_every_call_naming_an_adapter_sends_lora(target: str, service: Rec
         await client.generate_image("p", adapter="ink")
         await client.generate_image("p", adapters=[("ink", 0.8), ("paper", 0.5)])
         await client.generate_image("p")
+        # A stack entry naming no adapter: no lora at all (a partial one would disagree with the request's fields,
+        # and the server should refuse the empty entry itself).
+        await client.generate_image("p", adapters=[("ink", 0.8), ("", 0.5)])
         await client.preload_adapter("ink")
         await client.evict("ink")
         await client.list_adapters()
@@ -54,6 +57,7 @@ async def test_every_call_naming_an_adapter_sends_lora(target: str, service: Rec
     assert lora == [
         ("Generate", "ink"),
         ("Generate", "ink,paper"),
+        ("Generate", None),
         ("Generate", None),
         ("PreloadAdapter", "ink"),
         ("Evict", "ink"),

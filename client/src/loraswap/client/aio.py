@@ -371,8 +371,9 @@ class AsyncLoraswapClient:
 
     def _metadata(self, *adapters: str) -> tuple[tuple[str, str], ...] | None:
         """The call's metadata: the bearer token, and the `lora` key naming its adapters (a stack: comma-separated),
-        so that a proxy can route on the adapter without parsing protobuf (the server checks both agree)."""
-        lora = _lora_metadata([name for name in adapters if name])
+        so that a proxy can route on the adapter without parsing protobuf (the server checks both agree). None when a
+        name is empty (no adapter, or a stack entry naming none: the server refuses that by the request's fields)."""
+        lora = _lora_metadata(list(adapters)) if all(adapters) else ()
         return (*(self._call_metadata or ()), *lora) or None
 
     async def _wait_while_starting(self, error: LoraswapError, deadline: _Deadline) -> bool:
