@@ -189,7 +189,14 @@ async def test_text_encoder_layers_these_families_cannot_apply_are_refused_by_na
     assert np.array_equal(await _image(client, adapter="attn"), before)
 
 
-@pytest.mark.parametrize("compile_mode", ["full", "regional"])
+# Z-Image compiled whole (not its default: FamilyTraits.compile_kind) takes a minute to start here: `make test-heavy`.
+COMPILED = [
+    pytest.param(model, mode, marks=[pytest.mark.heavy] if (model, mode) == ("tiny-z-image", "full") else [])
+    for model in MODELS for mode in ("full", "regional")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "compile_mode"), COMPILED, indirect=["case"])
 async def test_nothing_compiles_after_start_up(case, compile_mode):
     # Compiled (TEST_COMPILE_BACKEND; the whole transformer, or its repeated blocks) under --fuse auto: adapters, a
     # stack, a LoHa, another size and prompts of other lengths (Qwen-Image's and Z-Image's text is as long as the

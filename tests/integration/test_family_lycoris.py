@@ -14,12 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import pytest_asyncio
 
-from loraswap.client import LoraswapError
 from tests.support.family_cases import MODELS, FamilyModel
 from tests.support.images import MIN_ADAPTER_EFFECT, assert_images_close, decode
 from tests.support.lycoris_files import (
@@ -27,6 +25,7 @@ from tests.support.lycoris_files import (
     TRANSFORMER_PRESETS,
     UNSUPPORTED_KINDS,
     applied_transformer_network,
+    assert_ia3_refused_and_serving_on,
     write_transformer_lycoris_file,
 )
 from tests.support.reference import LycorisReference
@@ -113,12 +112,7 @@ async def test_the_listing_names_the_kind_and_every_layer_the_network_wrapped(cl
 
 
 async def test_an_unsupported_kind_is_refused_naming_it_and_the_server_serves_on(client) -> None:
-    base = (await _image(client, [])).data
-    with pytest.raises(LoraswapError) as caught:
-        await _image(client, [("ia3", 1.0)])
-    assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_KIND_UNSUPPORTED")
-    assert "IA³" in caught.value.message
-    assert (await _image(client, [])).data == base
+    await assert_ia3_refused_and_serving_on(lambda members: _image(client, members))
 
 
 @pytest.mark.parametrize("case", ["tiny-z-image"], indirect=True)

@@ -8,13 +8,17 @@ written by the LyCORIS package's kohya network (tests/support/lycoris_files.py);
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import pytest_asyncio
 
-from loraswap.client import LoraswapError
 from tests.support.images import MIN_ADAPTER_EFFECT, assert_images_close, decode
-from tests.support.lycoris_files import KINDS, TEST_PRESET, UNSUPPORTED_KINDS, write_lycoris_file
+from tests.support.lycoris_files import (
+    KINDS,
+    TEST_PRESET,
+    UNSUPPORTED_KINDS,
+    assert_ia3_refused_and_serving_on,
+    write_lycoris_file,
+)
 from tests.support.reference import LycorisReference
 from tests.support.servers import serving
 
@@ -107,9 +111,4 @@ async def test_mixed_stacks_repeats_and_the_base_model_are_bit_identical_and_not
 
 
 async def test_an_unsupported_kind_is_refused_naming_it_and_the_server_serves_on(client) -> None:
-    base = (await _image(client, [])).data
-    with pytest.raises(LoraswapError) as caught:
-        await _image(client, [("ia3", 1.0)])
-    assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_KIND_UNSUPPORTED")
-    assert "IA³" in caught.value.message
-    assert (await _image(client, [])).data == base
+    await assert_ia3_refused_and_serving_on(lambda members: _image(client, members))

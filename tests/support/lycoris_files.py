@@ -47,6 +47,22 @@ KINDS = {
 UNSUPPORTED_KINDS = {"diag-oft": dict(algo="diag-oft"), "ia3": dict(algo="ia3")}  # (BOFT cannot factor the tiny widths)
 
 
+async def assert_ia3_refused_and_serving_on(image) -> None:
+    """The file `ia3` (an IA³ file, written from UNSUPPORTED_KINDS) is refused naming its kind, and the base image
+    comes back unchanged; `image(members)` generates with the stack `members` and returns the result."""
+    import grpc
+    import pytest
+
+    from loraswap.client import LoraswapError
+
+    base = (await image([])).data
+    with pytest.raises(LoraswapError) as caught:
+        await image([("ia3", 1.0)])
+    assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "ADAPTER_KIND_UNSUPPORTED")
+    assert "IA³" in caught.value.message
+    assert (await image([])).data == base
+
+
 def _use_preset(preset: dict) -> None:
     from lycoris.config import PRESET
     from lycoris.kohya import LycorisNetworkKohya
