@@ -28,7 +28,7 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q --durations=25 -m "not image and not heavy" -n $(TEST_WORKERS) --dist loadfile
 
 # What the default run leaves out for time, each covered there by a lighter test (the GPU check on each newer
-# family's full-width random model, where the default run smoke-tests one of them).
+# family's full-width random model, where the default run smoke-tests one of them; tiny-z-image compiled whole).
 test-heavy: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m heavy -n $(TEST_WORKERS) --dist loadfile
 
